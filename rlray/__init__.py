@@ -1,0 +1,1 @@
+"""rlray: asynchronous RL post-training for LLMs on Ray."""

@@ -1,0 +1,121 @@
+"""BufferActor: groups in, per-rank micro-batches out, with a bounded staleness.
+
+Contract:
+- `reserve(version, want)` grants a rollout actor up to `want` group tickets. With G
+  groups per step and bound k = max_off_policy_steps, a rollout at policy version v
+  may have started at most G*(v+k+1) groups in all, plus one for every group that
+  was dropped; so rollouts never run further ahead than the trainer can use.
+- `put(groups)` computes per-group advantages, drops zero-advantage groups when
+  `filter_zero_advantage` is on (counted, ticket returned) and queues the rest.
+- `get_batch(step)` waits until G fresh groups are queued, drops (and counts) groups
+  older than `step - k`, and returns one list of packed micro-batches per trainer rank.
+- `step_stats(step)` returns the rewards, lags and drop counts of that batch.
+- `state()` / `load_state()` round-trip the counters for resume.
+Methods are coroutines so one actor serves puts while a get_batch waits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from typing import Any
+
+import numpy as np
+
+from rlray.algo.advantages import group_advantages
+from rlray.config import AlgoConfig
+from rlray.data.packing import Sample, pack
+from rlray.types import Group, MicroBatch
+
+
+class BufferActor:
+    def __init__(
+        self,
+        algo: AlgoConfig,
+        groups_per_step: int,
+        max_off_policy_steps: int,
+        num_ranks: int,
+        micro_batch_tokens: int,
+        pad_id: int,
+    ) -> None:
+        self.algo = algo
+        self.G, self.k = groups_per_step, max_off_policy_steps
+        self.num_ranks, self.micro_batch_tokens, self.pad_id = num_ranks, micro_batch_tokens, pad_id
+        self.queue: deque[Group] = deque()
+        self.issued = 0
+        self.released = 0
+        self.counts = {"stale_dropped": 0, "zero_adv_dropped": 0, "groups_in": 0, "rollout_errors": 0}
+        self._stats: dict[int, dict[str, Any]] = {}
+        self._ready = asyncio.Condition()
+
+    async def reserve(self, version: int, want: int) -> int:
+        allowed = self.G * (version + self.k + 1) + self.released - self.issued
+        granted = max(0, min(want, allowed))
+        self.issued += granted
+        return granted
+
+    async def cancel(self, n: int) -> None:
+        """Return tickets of groups that a rollout actor failed to produce."""
+        self.released += n
+
+    async def put(self, groups: list[Group]) -> None:
+        async with self._ready:
+            for g in groups:
+                self.counts["groups_in"] += 1
+                self.counts["rollout_errors"] += sum(r.error is not None for r in g.rollouts)
+                g.advantages = group_advantages(g.rewards, self.algo.std_normalize, self.algo.std_eps)
+                if self.algo.filter_zero_advantage and not np.any(g.advantages):
+                    self.counts["zero_adv_dropped"] += 1
+                    self.released += 1
+                    continue
+                self.queue.append(g)
+            self._ready.notify_all()
+
+    def _drop_stale(self, step: int) -> None:
+        fresh = [g for g in self.queue if step - g.version <= self.k]
+        dropped = len(self.queue) - len(fresh)
+        self.counts["stale_dropped"] += dropped
+        self.released += dropped
+        self.queue = deque(fresh)
+
+    async def get_batch(self, step: int) -> list[list[MicroBatch]]:
+        async with self._ready:
+            while True:
+                self._drop_stale(step)
+                if len(self.queue) >= self.G:
+                    break
+                await self._ready.wait()
+            groups = [self.queue.popleft() for _ in range(self.G)]
+        self._stats[step] = self._batch_stats(step, groups)
+        return pack(self._samples(groups), self.num_ranks, self.micro_batch_tokens, self.pad_id)
+
+    def _samples(self, groups: list[Group]) -> list[Sample]:
+        return [
+            Sample(r.prompt_ids, r.completion_ids, r.loss_mask.astype(np.float32), float(a), r.logprobs)
+            for g in groups
+            for r, a in zip(g.rollouts, g.advantages)
+        ]
+
+    def _batch_stats(self, step: int, groups: list[Group]) -> dict[str, Any]:
+        rewards = np.concatenate([g.rewards for g in groups])
+        lags = np.array([step - g.version for g in groups])
+        tokens = sum(len(r.completion_ids) for g in groups for r in g.rollouts)
+        return {
+            "reward_mean": float(rewards.mean()),
+            "reward_std": float(rewards.std()),
+            "lag_mean": float(lags.mean()),
+            "lag_max": int(lags.max()),
+            "completion_tokens": int(tokens),
+            "completion_len_mean": tokens / max(1, len(rewards)),
+            **self.counts,
+            "queued": len(self.queue),
+        }
+
+    async def step_stats(self, step: int) -> dict[str, Any]:
+        return self._stats.pop(step, {})
+
+    async def state(self) -> dict[str, Any]:
+        return {"counts": dict(self.counts)}
+
+    async def load_state(self, state: dict[str, Any]) -> None:
+        self.counts.update(state["counts"])

@@ -1,0 +1,128 @@
+"""The only module that knows Ray resources: connect, placement groups, spawn actors.
+
+Contract: `connect(cfg)` joins `cluster.address` / `RAY_ADDRESS` or starts a local Ray
+(dashboard on loopback, logical CPUs declared so fractional bundles fit).
+`spawn(config)` creates one placement group for the trainer ranks and one for the
+rollout actors (bundle sizes from the config), then the named actors `trainer-i`,
+`rollout-i` and `buffer` from the plain classes. `free_address(pg, bundle)` returns
+(ip, port) free on the node of that bundle. `teardown(handles)` kills them all.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import ray
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from rlray.buffer import BufferActor
+from rlray.config import ClusterConfig, Config
+from rlray.rollout import RolloutActor
+from rlray.trainer import TrainerActor
+
+REPO = str(Path(__file__).resolve().parent.parent)
+
+
+def connect(cfg: ClusterConfig) -> None:
+    if ray.is_initialized():
+        return
+    env = {"env_vars": {"PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])),
+                        "TOKENIZERS_PARALLELISM": "false"}}
+    address = cfg.address or os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address, runtime_env=env, log_to_driver=True)
+        return
+    ray.init(num_cpus=cfg.num_cpus, num_gpus=cfg.num_gpus, include_dashboard=True,
+             dashboard_host=cfg.dashboard_host, _node_ip_address="127.0.0.1", runtime_env=env,
+             log_to_driver=True)
+
+
+@ray.remote(num_cpus=0)
+def _node_free_address() -> tuple[str, int]:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        port = s.getsockname()[1]
+    return ray.util.get_node_ip_address(), port
+
+
+def free_address(pg: PlacementGroup, bundle: int) -> tuple[str, int]:
+    strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=bundle)
+    return ray.get(_node_free_address.options(scheduling_strategy=strategy).remote())
+
+
+class BufferClient:
+    """Awaitable calls on the buffer actor, for the rollout loop."""
+
+    def __init__(self, handle: Any) -> None:
+        self.handle = handle
+
+    def reserve(self, version: int, want: int) -> Any:
+        return self.handle.reserve.remote(version, want)
+
+    def put(self, groups: list) -> Any:
+        return self.handle.put.remote(groups)
+
+    def cancel(self, n: int) -> Any:
+        return self.handle.cancel.remote(n)
+
+
+@dataclass
+class Handles:
+    trainers: list[Any]
+    rollouts: list[Any]
+    buffer: Any
+    groups: list[PlacementGroup] = field(default_factory=list)
+
+    @property
+    def trainer_pg(self) -> PlacementGroup:
+        return self.groups[0]
+
+
+def _pg(name: str, n: int, cpus: float, gpus: float) -> PlacementGroup:
+    bundle = {"CPU": cpus, **({"GPU": gpus} if gpus else {})}
+    pg = placement_group([dict(bundle) for _ in range(n)], strategy="PACK", name=name)
+    ray.get(pg.ready(), timeout=600)
+    return pg
+
+
+def backend(c: Config) -> str:
+    if c.cluster.backend != "auto":
+        return c.cluster.backend
+    return "nccl" if c.trainer.gpus_per_rank > 0 else "gloo"
+
+
+def spawn(c: Config, pad_id: int) -> Handles:
+    t, r = c.trainer, c.rollout
+    tpg = _pg("rlray-trainer", t.num_ranks, t.cpus_per_rank, t.gpus_per_rank)
+    rpg = _pg("rlray-rollout", r.num_actors, r.cpus_per_actor, r.gpus_per_actor)
+    host, port = free_address(tpg, 0)
+    trainers = [
+        ray.remote(TrainerActor).options(
+            name=f"trainer-{i}", num_cpus=t.cpus_per_rank, num_gpus=t.gpus_per_rank,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(tpg, placement_group_bundle_index=i),
+        ).remote(i, t.num_ranks, f"{host}:{port}", c.model, t, c.algo, backend(c), r.temperature)
+        for i in range(t.num_ranks)
+    ]
+    rollouts = [
+        ray.remote(RolloutActor).options(
+            name=f"rollout-{i}", num_cpus=r.cpus_per_actor, num_gpus=r.gpus_per_actor, max_concurrency=1000,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(rpg, placement_group_bundle_index=i),
+        ).remote(i, r.num_actors, c.model, r, c.env, c.run.seed)
+        for i in range(r.num_actors)
+    ]
+    buffer = ray.remote(BufferActor).options(name="buffer", num_cpus=0).remote(
+        c.algo, c.rl.batch_size // r.group_size, c.async_.max_off_policy_steps, t.num_ranks,
+        t.micro_batch_tokens, pad_id)
+    return Handles(trainers, rollouts, buffer, [tpg, rpg])
+
+
+def teardown(h: Handles) -> None:
+    for actor in [*h.rollouts, *h.trainers, h.buffer]:
+        ray.kill(actor, no_restart=True)
+    for pg in h.groups:
+        remove_placement_group(pg)

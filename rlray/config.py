@@ -1,0 +1,287 @@
+"""The configuration schema, its registration with Hydra, and semantic validation.
+
+Contract: `register()` stores the schema (`rlray_schema`) and every `recipes/*.yaml`
+(group `recipe`) in Hydra's ConfigStore, so `+recipe=NAME` works from any working
+directory. `to_config(cfg)` turns a composed DictConfig into a typed `Config` and
+raises `ConfigError` (one line naming the key and the fix) for keys outside the
+schema (also those added with `+section.key=`), an unknown recipe, and impossible
+values. Each component is handed only its own section.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from omegaconf import DictConfig, OmegaConf
+
+RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
+
+
+class ConfigError(ValueError):
+    """A user error in the configuration; the message names the key and the fix."""
+
+
+@dataclass
+class ModelConfig:
+    name: str = "tiny"  # "tiny" builds a random-weight model of `arch`; else an HF id or path
+    arch: str = "qwen3"  # tiny architectures: qwen3, qwen3_moe, glm4_moe, llama
+    hidden_size: int = 128
+    num_layers: int = 4
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 32
+    intermediate_size: int = 512
+    num_experts: int = 4
+    experts_per_token: int = 2
+    moe_intermediate_size: int = 128
+    tie_word_embeddings: bool = False
+    seed: int = 0
+
+
+@dataclass
+class TrainerConfig:
+    num_ranks: int = 2
+    cpus_per_rank: float = 1.0
+    gpus_per_rank: float = 0.0
+    lr: float = 1e-4
+    weight_decay: float = 0.0
+    beta1: float = 0.9
+    beta2: float = 0.999
+    max_grad_norm: float = 1.0
+    micro_batch_tokens: int = 8192
+    param_dtype: str = "float32"
+    seed: int = 0
+
+
+@dataclass
+class RolloutConfig:
+    num_actors: int = 1
+    cpus_per_actor: float = 1.0
+    gpus_per_actor: float = 0.0
+    group_size: int = 8
+    temperature: float = 0.7
+    max_tokens: int = 16
+    max_model_len: int = 128
+    kv_cache_fraction: float = 0.05  # share of accelerator memory for weights + KV cache (GPU)
+    kv_cache_gb: float = 0.25  # > 0: an exact KV-cache size, what the CPU backend needs; 0: use the fraction
+    max_concurrent_groups: int = 64
+    engine_kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class AlgoConfig:
+    loss: str = "grpo"
+    std_normalize: bool = True
+    std_eps: float = 1e-4
+    ratio_correction: str = "clip"  # clip: PPO-clipped ratio; mask: drop tokens outside the band
+    eps_low: float = 0.2
+    eps_high: float = 0.2
+    filter_zero_advantage: bool = False
+
+
+@dataclass
+class AsyncConfig:
+    max_off_policy_steps: int = 1
+
+
+@dataclass
+class SFTConfig:
+    max_steps: int = 200
+    batch_size: int = 128
+    lr: float = 1e-3
+    warmup_steps: int = 50
+    stop_reward: float = 0.7
+    eval_every: int = 10
+
+
+@dataclass
+class RLConfig:
+    steps: int = 300
+    batch_size: int = 128  # completions per step: prompts x group_size
+    sync_every: int = 1
+    eval_every: int = 50
+
+
+@dataclass
+class EvalConfig:
+    num_examples: int = 128
+    temperature: float = 0.0
+
+
+@dataclass
+class EnvConfig:
+    id: str = "reverse_text"
+    args: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class WeightSyncConfig:
+    bucket_mb: int = 16
+    timeout_s: float = 300.0
+
+
+@dataclass
+class ClusterConfig:
+    address: Optional[str] = None  # None: start a local Ray, unless RAY_ADDRESS is set
+    num_cpus: int = 8  # logical CPUs declared for a local Ray (fractional bundles fit)
+    num_gpus: int = 0
+    dashboard_host: str = "127.0.0.1"
+    backend: str = "auto"  # auto: nccl when the bundles have GPUs, else gloo
+
+
+@dataclass
+class LoggingConfig:
+    project: str = "rlray"
+    wandb: str = "auto"  # auto: online with WANDB_API_KEY, else offline; or online/offline/disabled
+
+
+@dataclass
+class RunConfig:
+    name: str = "default"
+    dir: str = "runs/${run.name}"
+    seed: int = 0
+
+
+@dataclass
+class Config:
+    run: RunConfig = field(default_factory=RunConfig)
+    stages: list[str] = field(default_factory=lambda: ["sft", "rl"])
+    model: ModelConfig = field(default_factory=ModelConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    async_: AsyncConfig = field(default_factory=AsyncConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
+    rl: RLConfig = field(default_factory=RLConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
+    weights: WeightSyncConfig = field(default_factory=WeightSyncConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+
+def _key(f: dataclasses.Field) -> str:
+    """Config key of a field: `async_` is spelled `async` (a Python keyword)."""
+    return f.name.rstrip("_")
+
+
+def schema_node() -> DictConfig:
+    """The root schema: a struct DictConfig whose sections are typed dataclass nodes."""
+    sections = {_key(f): OmegaConf.structured(f.default_factory()) for f in dataclasses.fields(Config)}
+    node = OmegaConf.create(sections)
+    node.stages = ["sft", "rl"]
+    OmegaConf.set_struct(node, True)
+    return node
+
+
+def recipe_names() -> list[str]:
+    return sorted(p.stem for p in RECIPES_DIR.glob("*.yaml"))
+
+
+def register() -> None:
+    """Store the schema and every recipe in Hydra's ConfigStore."""
+    from hydra.core.config_store import ConfigStore
+
+    cs = ConfigStore.instance()
+    cs.store(name="rlray_schema", node=schema_node())
+    for path in sorted(RECIPES_DIR.glob("*.yaml")):
+        text = path.read_text()
+        package = "_global_" if text.lstrip().startswith("# @package _global_") else "recipe"
+        cs.store(group="recipe", name=path.stem, node=OmegaConf.create(text), package=package)
+
+
+def _check_keys(node: Any, schema: Any, prefix: str) -> None:
+    if not dataclasses.is_dataclass(schema):
+        return
+    fields = {_key(f): f for f in dataclasses.fields(schema)}
+    for key in node:
+        path = f"{prefix}{key}"
+        if key not in fields:
+            close = ", ".join(sorted(fields))
+            raise ConfigError(f"unknown config key '{path}'; valid keys here: {close}")
+        value = node[key]
+        sub = fields[key].default_factory() if fields[key].default_factory is not dataclasses.MISSING else None
+        if isinstance(value, DictConfig) and dataclasses.is_dataclass(sub):
+            _check_keys(value, sub, f"{path}.")
+
+
+def to_config(cfg: DictConfig) -> Config:
+    """Typed, validated config from a composed DictConfig (raises ConfigError)."""
+    if "recipe" in cfg:
+        raise ConfigError(
+            f"unknown recipe '{cfg.recipe}'; available: {', '.join(recipe_names())} "
+            f"(recipes live in {RECIPES_DIR})"
+        )
+    _check_keys(cfg, Config(), "")
+    try:
+        resolved = OmegaConf.to_container(cfg, resolve=True)
+        merged = OmegaConf.merge(schema_node(), resolved)
+        values = {f.name: OmegaConf.to_object(merged[_key(f)]) for f in dataclasses.fields(Config)}
+        values["stages"] = list(values["stages"])
+    except Exception as e:  # omegaconf's ValidationError names the key and the value
+        raise ConfigError(f"invalid config: {e}".splitlines()[0]) from e
+    config = Config(**values)
+    validate(config)
+    return config
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def validate(c: Config) -> None:
+    """Semantic checks that types alone cannot express."""
+    stages = {"sft", "rl", "eval"}
+    bad = [s for s in c.stages if s not in stages]
+    _require(not bad, f"stages: unknown stage {bad}; choose from {sorted(stages)}")
+    _require(c.rollout.group_size >= 1, "rollout.group_size must be >= 1")
+    _require(
+        c.rl.batch_size % c.rollout.group_size == 0,
+        f"rl.batch_size={c.rl.batch_size} is not divisible by rollout.group_size={c.rollout.group_size}; "
+        "make it a multiple",
+    )
+    _require(
+        c.rl.batch_size >= c.trainer.num_ranks,
+        f"rl.batch_size={c.rl.batch_size} is smaller than trainer.num_ranks={c.trainer.num_ranks}",
+    )
+    _require(c.trainer.num_ranks >= 1, "trainer.num_ranks must be >= 1")
+    _require(c.rollout.num_actors >= 1, "rollout.num_actors must be >= 1")
+    _require(c.async_.max_off_policy_steps >= 0, "async.max_off_policy_steps must be >= 0")
+    _require(c.rl.sync_every >= 1, "rl.sync_every must be >= 1")
+    _require(
+        c.async_.max_off_policy_steps >= c.rl.sync_every - 1,
+        f"rl.sync_every={c.rl.sync_every} needs async.max_off_policy_steps >= {c.rl.sync_every - 1} "
+        "(rollouts between syncs are that many versions behind)",
+    )
+    _require(c.rollout.temperature >= 0, "rollout.temperature must be >= 0")
+    _require(0 < c.rollout.kv_cache_fraction < 1, "rollout.kv_cache_fraction must be in (0, 1)")
+    _require(
+        c.algo.ratio_correction in ("clip", "mask"),
+        f"algo.ratio_correction='{c.algo.ratio_correction}'; choose clip or mask",
+    )
+    _require(c.cluster.backend in ("auto", "gloo", "nccl"), "cluster.backend must be auto, gloo or nccl")
+    _check_resources(c)
+
+
+def _check_resources(c: Config) -> None:
+    """A local cluster must hold every bundle; a remote one is checked by Ray at placement."""
+    if c.cluster.address is not None or os.environ.get("RAY_ADDRESS"):
+        return
+    cpus = c.trainer.num_ranks * c.trainer.cpus_per_rank + c.rollout.num_actors * c.rollout.cpus_per_actor
+    _require(
+        cpus <= c.cluster.num_cpus,
+        f"trainer ({c.trainer.num_ranks}x{c.trainer.cpus_per_rank}) + rollout "
+        f"({c.rollout.num_actors}x{c.rollout.cpus_per_actor}) need {cpus} CPUs but "
+        f"cluster.num_cpus={c.cluster.num_cpus}; raise cluster.num_cpus or lower the counts",
+    )
+    gpus = c.trainer.num_ranks * c.trainer.gpus_per_rank + c.rollout.num_actors * c.rollout.gpus_per_actor
+    _require(
+        gpus <= c.cluster.num_gpus,
+        f"trainer.num_ranks x trainer.gpus_per_rank + rollout.num_actors x rollout.gpus_per_actor = {gpus} "
+        f"GPUs but cluster.num_gpus={c.cluster.num_gpus}; lower them or raise cluster.num_gpus",
+    )

@@ -1,0 +1,170 @@
+"""The driver loop: stages (sft, rl, eval), steps, weight sync and evaluation.
+
+Contract: `run(config) -> summary` creates the run folder (resolved config,
+metrics.jsonl, eval samples), connects to Ray, spawns the actors, opens the weight
+group once, then runs `config.stages` in order and tears everything down. The
+controller moves object references and version numbers; rollouts and batches go
+from actor to actor (SFT batches, built from the dataset here, are put once).
+The summary holds the held-out greedy rewards after SFT and at the end of RL.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import ray
+import yaml
+
+from rlray import cluster
+from rlray.config import Config
+from rlray.data.packing import Sample, pack
+from rlray.data.tokenizer import encode_prompt
+from rlray.envs import load_env
+from rlray.metrics import Metrics
+from rlray.models.tiny import model_path
+
+
+def _config_dict(c: Config) -> dict[str, Any]:
+    d = dataclasses.asdict(c)
+    d["async"] = d.pop("async_")
+    return d
+
+
+class Controller:
+    def __init__(self, c: Config) -> None:
+        self.c = c
+        self.run_dir = Path(c.run.dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "config.yaml").write_text(yaml.safe_dump(_config_dict(c), sort_keys=False))
+        from transformers import AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path(c.model))
+        self.env = load_env(c.env.id, c.env.args)
+        self.metrics = Metrics(self.run_dir, c.logging, _config_dict(c))
+        self.summary: dict[str, Any] = {"run_dir": str(self.run_dir)}
+
+    # ---- set-up -------------------------------------------------------------------
+    def start(self) -> None:
+        cluster.connect(self.c.cluster)
+        t0 = time.perf_counter()
+        self.h = cluster.spawn(self.c, pad_id=self.tokenizer.pad_token_id)
+        ray.get([t.setup.remote() for t in self.h.trainers] + [r.start.remote() for r in self.h.rollouts])
+        plan = ray.get(self.h.trainers[0].weight_plan.remote(self.c.weights.bucket_mb))
+        host, port = cluster.free_address(self.h.trainer_pg, 0)
+        world = 1 + len(self.h.rollouts)
+        args = (cluster.backend(self.c), self.c.weights.timeout_s, plan)
+        ray.get([t.init_weight_group.remote(host, port, world, *args) for t in self.h.trainers]
+                + [r.init_weight_group.remote(host, port, 1 + i, world, *args)
+                   for i, r in enumerate(self.h.rollouts)])
+        print(f"actors ready in {time.perf_counter() - t0:.1f}s: {len(self.h.trainers)} trainer ranks, "
+              f"{len(self.h.rollouts)} rollout actors, weight group of {world}", flush=True)
+
+    def sync(self, version: int) -> dict[str, float]:
+        refs = [t.broadcast_weights.remote() for t in self.h.trainers]
+        refs += [r.update_weights.remote(version) for r in self.h.rollouts]
+        out = ray.get(refs, timeout=self.c.weights.timeout_s)
+        sent = out[0]
+        return {"sync_seconds": max(o.get("sync_seconds", o.get("load_seconds", 0.0)) for o in out),
+                "sync_gb_per_s": sent["sync_bytes"] / max(sent["sync_seconds"], 1e-9) / 1e9}
+
+    def evaluate(self, tag: str) -> float:
+        n = self.c.eval.num_examples
+        outs = ray.get([r.evaluate.remote("eval", n, self.c.eval.temperature) for r in self.h.rollouts])
+        rewards = [x for o in outs for x in o["rewards"]]
+        with (self.run_dir / "eval_samples.jsonl").open("a") as f:
+            for o in outs:
+                for s in o["samples"]:
+                    f.write(json.dumps({"tag": tag, **s}) + "\n")
+        return float(np.mean(rewards))
+
+    # ---- stages -------------------------------------------------------------------
+    def _sft_batch(self, step: int) -> list[list]:
+        n = self.c.sft.batch_size
+        eos = self.tokenizer.eos_token_id
+        samples = []
+        for i in range(step * n, (step + 1) * n):
+            ex = self.env.example("train", i)
+            answer = list(self.tokenizer(ex.answer, add_special_tokens=False)["input_ids"]) + [eos]
+            samples.append(Sample(np.asarray(encode_prompt(self.tokenizer, ex.prompt)), np.asarray(answer),
+                                  np.ones(len(answer), np.float32), 0.0, np.zeros(len(answer), np.float32)))
+        return pack(samples, len(self.h.trainers), self.c.trainer.micro_batch_tokens, self.tokenizer.pad_token_id)
+
+    def sft(self) -> None:
+        s = self.c.sft
+        ray.get([t.set_stage.remote(s.lr, s.warmup_steps) for t in self.h.trainers])
+        reward = 0.0
+        for step in range(s.max_steps):
+            t0 = time.perf_counter()
+            per_rank = self._sft_batch(step)
+            out = ray.get([t.sft_step.remote(mbs) for t, mbs in zip(self.h.trainers, per_rank)])[0]
+            values = {"loss": out["loss"], "step_seconds": time.perf_counter() - t0}
+            last = step + 1 == s.max_steps
+            if (step + 1) % s.eval_every == 0 or last:
+                values.update(self.sync(0))
+                values["eval_reward"] = reward = self.evaluate(f"sft-{step + 1}")
+            self.metrics.log("sft", step, values, s.max_steps)
+            if reward >= s.stop_reward:
+                print(f"SFT reached held-out reward {reward:.3f} >= sft.stop_reward={s.stop_reward} "
+                      f"at step {step + 1}; stopping SFT", flush=True)
+                break
+        self.summary["sft_reward"] = reward
+
+    def rl(self) -> None:
+        c = self.c
+        ray.get([t.set_stage.remote(c.trainer.lr, 0) for t in self.h.trainers])
+        self.sync(0)
+        start = self.evaluate("rl-start")
+        self.summary["rl_start_reward"] = start
+        print(f"held-out greedy reward before RL: {start:.3f}", flush=True)
+        runs = [r.run.remote(cluster.BufferClient(self.h.buffer)) for r in self.h.rollouts]
+        n = len(self.h.trainers)
+        lags = []
+        for step in range(c.rl.steps):
+            t0 = time.perf_counter()
+            batch = self.h.buffer.get_batch.options(num_returns=n).remote(step)
+            batch = [batch] if n == 1 else batch
+            outs = ray.get([t.train_step.remote(b) for t, b in zip(self.h.trainers, batch)])
+            values = {**ray.get(self.h.buffer.step_stats.remote(step)), **outs[0]}
+            if (step + 1) % c.rl.sync_every == 0:
+                values.update(self.sync(step + 1))
+            if c.rl.eval_every and (step + 1) % c.rl.eval_every == 0 and step + 1 < c.rl.steps:
+                values["eval_reward"] = self.evaluate(f"rl-{step + 1}")
+            values["step_seconds"] = time.perf_counter() - t0
+            values["tokens_per_s"] = values.get("completion_tokens", 0) / values["step_seconds"]
+            lags.append(values.get("lag_mean", 0.0))
+            self.metrics.log("rl", step, values, c.rl.steps)
+        ray.get([r.stop.remote() for r in self.h.rollouts])
+        ray.get(runs)
+        end = self.evaluate("rl-end")
+        self.summary.update(rl_end_reward=end, lag_max=float(max(lags, default=0.0)))
+        print(f"held-out greedy reward after RL: {end:.3f} (before RL {start:.3f}, gain {end - start:+.3f})",
+              flush=True)
+
+    def eval_stage(self) -> None:
+        self.sync(0)
+        self.summary["eval_reward"] = reward = self.evaluate("eval")
+        print(f"held-out reward: {reward:.3f}", flush=True)
+
+    def close(self) -> None:
+        if hasattr(self, "h"):
+            cluster.teardown(self.h)
+        self.metrics.close()
+        (self.run_dir / "summary.json").write_text(json.dumps(self.summary, indent=2))
+
+
+def run(c: Config) -> dict[str, Any]:
+    ctl = Controller(c)
+    try:
+        ctl.start()
+        stages = {"sft": ctl.sft, "rl": ctl.rl, "eval": ctl.eval_stage}
+        for name in c.stages:
+            stages[name]()
+    finally:
+        ctl.close()
+    print(f"run folder: {ctl.run_dir.resolve()}", flush=True)
+    return ctl.summary

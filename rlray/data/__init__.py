@@ -1,0 +1,1 @@
+"""Tokenizers, SFT examples and the packing of rollouts into trainer micro-batches."""

@@ -1,0 +1,1 @@
+"""Model registry: where a model's weights and tokenizer come from."""

@@ -1,0 +1,157 @@
+"""TrainerActor: one rank of the FSDP2 trainer. A plain class; cluster.py makes it a Ray actor.
+
+Contract:
+- `setup()` joins the trainer process group (gloo on CPU, nccl on GPU), loads the model
+  from transformers and shards it with FSDP2.
+- `set_stage(lr, warmup_steps)` starts a fresh AdamW (SFT and RL each get their own).
+- `train_step(micro_batches)` runs forward/backward over this rank's micro-batches and
+  takes exactly one optimizer step; the RL loss is chosen by `algo.loss` and every
+  rank divides its token-sum by the *global* number of loss tokens.
+  `sft_step(micro_batches)` does the same with cross-entropy on the masked tokens.
+- `init_weight_group(...)` / `broadcast_weights()`: every rank gathers each sharded
+  parameter; rank 0 streams them, bucketed, to the inference workers.
+- `logprobs(token_ids, start)` scores a sequence (for checks and tests).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from rlray.algo.loss import get_loss
+from rlray.config import AlgoConfig, ModelConfig, TrainerConfig
+from rlray.models.tiny import model_path
+from rlray.parallel.fsdp import apply_fsdp, data_parallel_mesh
+from rlray.types import MicroBatch
+from rlray.weights import Bucket, WeightGroup, WeightSender, open_weight_group, plan_buckets
+
+
+class TrainerActor:
+    def __init__(self, rank: int, world_size: int, master: str, model: ModelConfig,
+                 trainer: TrainerConfig, algo: AlgoConfig, backend: str, temperature: float) -> None:
+        self.rank, self.world_size, self.master = rank, world_size, master
+        self.model_cfg, self.cfg, self.algo = model, trainer, algo
+        self.backend, self.temperature = backend, temperature
+        self.device = torch.device("cuda" if backend == "nccl" else "cpu")
+        self.weight_group: WeightGroup | None = None
+        self.sender: WeightSender | None = None
+
+    def setup(self) -> dict[str, Any]:
+        if self.device.type == "cuda":
+            torch.cuda.set_device(0)
+        if not dist.is_initialized():
+            dist.init_process_group(self.backend, init_method=f"tcp://{self.master}",
+                                    rank=self.rank, world_size=self.world_size)
+        torch.manual_seed(self.cfg.seed)
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(model_path(self.model_cfg), dtype=torch.float32)
+        self.model.to(self.device)
+        mesh = data_parallel_mesh(self.device.type, self.world_size)
+        apply_fsdp(self.model, mesh, self.cfg.param_dtype)
+        self.loss_fn = get_loss(self.algo.loss)
+        self.set_stage(self.cfg.lr, 0)
+        n = sum(p.numel() for p in self.model.parameters()) * self.world_size
+        return {"rank": self.rank, "pid": os.getpid(), "params_approx": int(n)}
+
+    def set_stage(self, lr: float, warmup_steps: int) -> None:
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=self.cfg.weight_decay,
+                                           betas=(self.cfg.beta1, self.cfg.beta2))
+        warm = max(1, warmup_steps)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: min(1.0, (s + 1) / warm))
+
+    def _tensors(self, mb: MicroBatch) -> dict[str, torch.Tensor]:
+        keys = ("input_ids", "attention_mask", "loss_mask", "advantages", "inference_logprobs")
+        return {k: torch.tensor(np.asarray(getattr(mb, k)), device=self.device) for k in keys}
+
+    def _token_logprobs(self, ids: torch.Tensor, attn: torch.Tensor, temperature: float) -> torch.Tensor:
+        """logp[b, t] of token ids[b, t] given ids[b, :t]; position 0 gets 0."""
+        logits = self.model(input_ids=ids, attention_mask=attn).logits.float()
+        if temperature > 0:
+            logits = logits / temperature
+        logp = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+        return torch.nn.functional.pad(logp, (1, 0))
+
+    def _step(self, micro_batches: list[MicroBatch], rl: bool) -> dict[str, float]:
+        t0 = time.perf_counter()
+        self.model.train()
+        sums: dict[str, float] = {"loss": 0.0, "mismatch_kl": 0.0, "ratio_outside": 0.0, "tokens": 0.0}
+        for mb in micro_batches:
+            t = self._tensors(mb)
+            denom = mb.num_loss_tokens_global / self.world_size  # FSDP averages gradients over ranks
+            logp = self._token_logprobs(t["input_ids"], t["attention_mask"], self.temperature if rl else 1.0)
+            if rl:
+                loss_sum, stats = self.loss_fn(logp, t["inference_logprobs"], t["advantages"], t["loss_mask"],
+                                               self.algo)
+                for k, v in stats.items():
+                    sums[k] = sums.get(k, 0.0) + float(v)
+            else:
+                loss_sum = -(logp * t["loss_mask"]).sum()
+            (loss_sum / denom).backward()
+            sums["loss"] += float(loss_sum)
+            sums["tokens"] += float(t["attention_mask"].sum())
+        grad_norm = nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return self._reduce(sums, micro_batches[0].num_loss_tokens_global, grad_norm, time.perf_counter() - t0)
+
+    def _reduce(self, sums: dict[str, float], n_loss: float, grad_norm: torch.Tensor,
+                seconds: float) -> dict[str, float]:
+        keys = sorted(sums)
+        t = torch.tensor([sums[k] for k in keys], dtype=torch.float64, device=self.device)
+        dist.all_reduce(t)
+        out = {k: float(v) for k, v in zip(keys, t.tolist())}
+        for k in ("loss", "mismatch_kl", "ratio_outside"):
+            if k in out:
+                out[k] /= n_loss
+        out["grad_norm"] = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
+        out["lr"] = self.scheduler.get_last_lr()[0]
+        out["train_seconds"] = seconds
+        return out
+
+    def train_step(self, micro_batches: list[MicroBatch]) -> dict[str, float]:
+        return self._step(micro_batches, rl=True)
+
+    def sft_step(self, micro_batches: list[MicroBatch]) -> dict[str, float]:
+        return self._step(micro_batches, rl=False)
+
+    @torch.no_grad()
+    def logprobs(self, token_ids: list[int], start: int, temperature: float = 1.0) -> list[float]:
+        self.model.eval()
+        ids = torch.tensor([token_ids], device=self.device)
+        logp = self._token_logprobs(ids, torch.ones_like(ids), temperature)
+        self.model.reshard()
+        return logp[0, start:].tolist()
+
+    def _full_params(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, p in self.model.named_parameters():
+            full = p.full_tensor() if hasattr(p, "full_tensor") else p
+            yield name, full.detach()
+
+    def weight_plan(self, bucket_mb: int) -> list[Bucket]:
+        params = [(n, tuple(p.shape), p.dtype) for n, p in self.model.named_parameters()]
+        return plan_buckets(params, bucket_mb << 20)
+
+    def init_weight_group(self, host: str, port: int, world_size: int, backend: str,
+                          timeout_s: float, plan: list[Bucket]) -> None:
+        if self.rank == 0:
+            self.weight_group = open_weight_group(host, port, 0, world_size, backend, timeout_s)
+            self.sender = WeightSender(plan, self.weight_group)
+
+    @torch.no_grad()
+    def broadcast_weights(self) -> dict[str, float]:
+        t0 = time.perf_counter()
+        if self.rank == 0:
+            assert self.sender is not None, "init_weight_group must run before broadcast_weights"
+            nbytes = self.sender.send(self._full_params())
+        else:
+            nbytes = sum(1 for _ in self._full_params())  # join every all-gather; rank 0 sends
+        seconds = time.perf_counter() - t0
+        return {"sync_seconds": seconds, "sync_bytes": float(nbytes) if self.rank == 0 else 0.0}

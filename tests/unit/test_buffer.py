@@ -1,0 +1,89 @@
+"""The buffer: advantages, the staleness filter, tickets and per-rank packing."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from rlray.buffer import BufferActor
+from rlray.config import AlgoConfig
+from rlray.types import Group, Rollout
+
+
+def rollout(reward: float, version: int, n: int = 3) -> Rollout:
+    return Rollout(prompt_ids=np.array([1, 5, 6]), completion_ids=np.arange(7, 7 + n),
+                   logprobs=np.full(n, -0.5, np.float32), loss_mask=np.ones(n, np.int8),
+                   versions=np.full(n, version), reward=reward)
+
+
+def group(version: int, rewards=(1.0, 0.0)) -> Group:
+    return Group([rollout(r, version) for r in rewards])
+
+
+def make(k: int = 1, ranks: int = 2, G: int = 2, **algo) -> BufferActor:
+    return BufferActor(AlgoConfig(**algo), groups_per_step=G, max_off_policy_steps=k, num_ranks=ranks,
+                       micro_batch_tokens=4096, pad_id=0)
+
+
+def test_stale_group_is_dropped_and_counted() -> None:
+    async def go() -> None:
+        buf = make(k=1)
+        await buf.put([group(0), group(2), group(3)])
+        batch = await buf.get_batch(3)  # version 0 is 3 behind step 3 > k=1
+        stats = await buf.step_stats(3)
+        assert stats["stale_dropped"] == 1
+        assert stats["lag_max"] == 1
+        assert len(batch) == 2
+    asyncio.run(go())
+
+
+def test_get_batch_waits_for_a_full_batch() -> None:
+    async def go() -> None:
+        buf = make(k=0)
+        task = asyncio.create_task(buf.get_batch(0))
+        await buf.put([group(0)])
+        await asyncio.sleep(0.05)
+        assert not task.done()
+        await buf.put([group(0)])
+        per_rank = await asyncio.wait_for(task, 1)
+        assert len(per_rank) == 2 and len(per_rank[0]) == len(per_rank[1])
+    asyncio.run(go())
+
+
+def test_tickets_bound_how_far_rollouts_run_ahead() -> None:
+    async def go() -> None:
+        buf = make(k=2, G=4)
+        assert await buf.reserve(0, 100) == 12  # G * (v + k + 1)
+        assert await buf.reserve(0, 1) == 0
+        assert await buf.reserve(1, 10) == 4
+        await buf.cancel(2)
+        assert await buf.reserve(1, 10) == 2
+    asyncio.run(go())
+
+
+def test_zero_advantage_groups_are_filtered_when_asked() -> None:
+    async def go() -> None:
+        buf = make(k=0, G=1, filter_zero_advantage=True)
+        await buf.put([group(0, (0.5, 0.5)), group(0, (1.0, 0.0))])
+        await buf.get_batch(0)
+        stats = await buf.step_stats(0)
+        assert stats["zero_adv_dropped"] == 1
+        assert stats["reward_mean"] == pytest.approx(0.5)
+        assert await buf.reserve(0, 10) == 2  # G*(0+0+1) + 1 released - 0 issued
+    asyncio.run(go())
+
+
+def test_packed_batch_carries_advantages_and_global_token_count() -> None:
+    async def go() -> None:
+        buf = make(k=0, G=1, ranks=2, std_normalize=False)
+        await buf.put([group(0, (1.0, 0.0))])
+        per_rank = await buf.get_batch(0)
+        advs = sorted(float(mb.advantages[mb.loss_mask > 0].mean()) for mbs in per_rank for mb in mbs)
+        assert advs == [-0.5, 0.5]
+        for mbs in per_rank:
+            for mb in mbs:
+                assert mb.num_loss_tokens_global == 6.0
+                assert mb.loss_mask[0, :3].sum() == 0  # prompt tokens are not trained
+    asyncio.run(go())

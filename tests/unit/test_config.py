@@ -1,0 +1,67 @@
+"""Every config error exits non-zero with one line naming the key, before Ray starts."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from rlray.config import Config, ConfigError, to_config, validate
+
+
+def launch(*overrides: str, cwd: str = "/") -> subprocess.CompletedProcess:
+    """Run the real entry point with a controller that must never be reached."""
+    code = ("import sys, types; c = types.ModuleType('rlray.controller'); "
+            "c.run = lambda cfg: sys.exit('controller reached'); sys.modules['rlray.controller'] = c; "
+            "from rlray.launch import main; sys.argv = ['launch', *sys.argv[1:]]; main()")
+    return subprocess.run([sys.executable, "-c", code, *overrides], capture_output=True, text=True, cwd=cwd,
+                          timeout=120)
+
+
+@pytest.mark.parametrize("overrides, needle", [
+    (["+recipe=no_such_recipe"], "no_such_recipe"),
+    (["trainer.lrr=1"], "trainer.lrr"),
+    (["+trainer.lrr=1"], "trainer.lrr"),
+    (["+nosection.key=1"], "nosection"),
+    (["trainer.lr=abc"], "trainer.lr"),
+    (["rl.batch_size=100"], "rl.batch_size"),
+    (["trainer.num_ranks=9"], "cluster.num_cpus"),
+    (["trainer.gpus_per_rank=1"], "cluster.num_gpus"),
+    (["algo.loss=nope"], "algo.loss"),
+    (["stages=[sft,train]"], "stages"),
+    (["rl.sync_every=3", "async.max_off_policy_steps=0"], "async.max_off_policy_steps"),
+])
+def test_bad_config_exits_nonzero_naming_the_key(overrides: list[str], needle: str) -> None:
+    result = launch(*overrides)
+    assert result.returncode != 0
+    assert "controller reached" not in result.stderr
+    assert needle in result.stderr, result.stderr[-2000:]
+
+
+def test_good_configs_reach_the_controller_from_any_directory(tmp_path) -> None:
+    for overrides in ([], ["+recipe=tiny_moe", "async.max_off_policy_steps=2"]):
+        result = launch(*overrides, cwd=str(tmp_path))
+        assert "controller reached" in result.stderr, result.stderr[-2000:]
+
+
+def test_recipe_values_land_in_the_typed_config() -> None:
+    from hydra import compose, initialize_config_dir
+
+    from rlray.config import register
+    from rlray.launch import CONF_DIR
+
+    register()
+    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
+        cfg = compose("config", overrides=["+recipe=tiny_moe", "async.max_off_policy_steps=0"])
+    c = to_config(cfg)
+    assert c.model.arch == "glm4_moe"
+    assert c.async_.max_off_policy_steps == 0
+    assert c.stages == ["sft", "rl"]
+
+
+def test_validate_rejects_group_size_mismatch() -> None:
+    c = Config()
+    c.rollout.group_size = 3
+    with pytest.raises(ConfigError, match="rollout.group_size"):
+        validate(c)
