@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import II, DictConfig, OmegaConf
 
 RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
 
@@ -66,6 +66,8 @@ class RolloutConfig:
     temperature: float = 0.7
     max_tokens: int = 16
     max_model_len: int = 128
+    dtype: str = "float32"  # vLLM's weights and compute; match trainer.param_dtype
+    enforce_eager: bool = True  # skip torch.compile: faster start-up, the right call for tiny CPU models
     kv_cache_fraction: float = 0.05  # share of accelerator memory for weights + KV cache (GPU)
     kv_cache_gb: float = 0.25  # > 0: an exact KV-cache size, what the CPU backend needs; 0: use the fraction
     max_concurrent_groups: int = 64
@@ -80,7 +82,20 @@ class AlgoConfig:
     ratio_correction: str = "clip"  # clip: PPO-clipped ratio; mask: drop tokens outside the band
     eps_low: float = 0.2
     eps_high: float = 0.2
-    filter_zero_advantage: bool = False
+    filter_zero_advantage: bool = False  # DAPO dynamic sampling: drop groups whose rewards are all equal
+    # the rest is read by rlray.algo (see rlray/algo/README.md); check_algo() validates it
+    aggregation: str = "auto"  # auto (the loss's paper) | token | sequence | constant (Dr.GRPO)
+    baseline: str = "mean"  # mean: group mean; rloo: leave-one-out mean
+    max_tokens: int = II("rollout.max_tokens")  # L_max of Dr.GRPO's normaliser and DAPO's overlong penalty
+    overlong_filter: bool = False  # DAPO: completions cut at max_tokens (finish_reason "length") get no loss
+    overlong_buffer: int = 0  # DAPO soft overlong penalty over the last N tokens before max_tokens (0: off)
+    overlong_penalty: float = 1.0  # reward penalty at max_tokens
+    correction: str = "none"  # inference/trainer mismatch: none | tis (truncate) | mis (mask)
+    correction_level: str = "token"  # token | sequence (product) | geometric (mean of log ratios)
+    correction_low: float = 0.0  # mis: mask weights below this
+    correction_high: float = 2.0  # tis: truncate at this; mis: mask weights above this
+    kl_coef: float = 0.0  # k3 KL to a frozen reference model (the policy at the first RL step); 0: no reference
+    mismatch_kl_coef: float = 0.0  # coefficient of (log pi_train/pi_infer)^2 (Kimi K2.5; dppo_tv)
 
 
 @dataclass

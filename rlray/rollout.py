@@ -55,7 +55,7 @@ class RolloutActor:
         return {"index": self.index, "model": path}
 
     def _engine_kwargs(self) -> dict[str, Any]:
-        kwargs: dict[str, Any] = {}
+        kwargs: dict[str, Any] = {"dtype": self.cfg.dtype, "enforce_eager": self.cfg.enforce_eager}
         if self.cfg.kv_cache_gb > 0:
             kwargs["kv_cache_memory_bytes"] = int(self.cfg.kv_cache_gb * 2**30)
         return {**kwargs, **self.cfg.engine_kwargs}
