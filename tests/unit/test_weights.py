@@ -1,0 +1,194 @@
+"""Bucket planning, and a 2-rank gloo broadcast of a plan (two threads, one process)."""
+
+from __future__ import annotations
+
+import socket
+import threading
+
+import pytest
+import torch
+
+from rlray.weights import (
+    Bucket,
+    WeightReceiver,
+    WeightSender,
+    iter_bucket_views,
+    layer_key,
+    open_weight_group,
+    plan_buckets,
+    plan_from_wire,
+    plan_to_wire,
+    spanning_names,
+)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_plan_separates_dtypes_and_respects_size() -> None:
+    params = [
+        ("a", (4, 4), torch.float32),  # 64 B
+        ("b", (8,), torch.float32),  # 32 B
+        ("c", (4,), torch.bfloat16),  # 8 B, new dtype → new bucket
+        ("d", (10,), torch.float32),  # 40 B
+        ("e", (6,), torch.float32),  # 24 B, fits beside d
+        ("f", (2,), torch.float32),  # 8 B, 72 ≤ 100 → same bucket
+        ("g", (8,), torch.float32),  # 32 B, 72 + 32 > 100 → new bucket
+    ]
+    plan = plan_buckets(params, bucket_bytes=100)
+    assert [[t.name for t in b.tensors] for b in plan] == [["a", "b"], ["c"], ["d", "e", "f"], ["g"]]
+    assert [b.dtype for b in plan] == ["float32", "bfloat16", "float32", "float32"]
+    for bucket in plan:
+        assert len({t.dtype for t in bucket.tensors}) == 1
+        assert bucket.numel == sum(t.numel for t in bucket.tensors)
+
+
+def test_plan_exact_grouping_and_offsets() -> None:
+    params = [("a", (4, 4), torch.float32), ("b", (8,), torch.float32), ("c", (4,), torch.bfloat16),
+              ("d", (10,), torch.float32), ("e", (15,), torch.float32)]
+    plan = plan_buckets(params, bucket_bytes=96)
+    assert [[t.name for t in b.tensors] for b in plan] == [["a", "b"], ["c"], ["d"], ["e"]]
+    a, b = plan[0].tensors
+    assert (a.offset, a.numel, a.shape) == (0, 16, (4, 4))
+    assert (b.offset, b.numel, b.shape) == (16, 8, (8,))
+    assert plan[0].numel == 24 and plan[1].numel == 4 and plan[1].dtype == "bfloat16"
+    assert plan[2].tensors[0].offset == 0
+
+
+def test_big_tensor_gets_its_own_bucket() -> None:
+    params = [("small", (2,), torch.float32), ("big", (100,), torch.float32), ("tail", (2,), torch.float32)]
+    plan = plan_buckets(params, bucket_bytes=64)
+    assert [[t.name for t in b.tensors] for b in plan] == [["small"], ["big"], ["tail"]]
+    assert plan[1].numel == 100
+
+
+def test_plan_rejects_bad_size() -> None:
+    with pytest.raises(ValueError, match="bucket_bytes"):
+        plan_buckets([("a", (1,), torch.float32)], bucket_bytes=0)
+
+
+def test_iter_bucket_views_are_views() -> None:
+    plan = plan_buckets([("x", (2, 3), torch.float32), ("y", (4,), torch.float32)], bucket_bytes=1 << 20)
+    flat = torch.arange(10, dtype=torch.float32)
+    views = dict(iter_bucket_views(plan[0], flat))
+    assert torch.equal(views["x"], torch.arange(6.0).view(2, 3))
+    assert torch.equal(views["y"], torch.arange(6.0, 10.0))
+    assert views["y"].data_ptr() == flat.data_ptr() + 6 * 4
+
+
+def test_layer_key() -> None:
+    assert layer_key("model.layers.3.self_attn.q_proj.weight") == "model.layers.3"
+    assert layer_key("model.layers.12.mlp.experts.gate_up_proj") == "model.layers.12"
+    assert layer_key("model.embed_tokens.weight") == "model.embed_tokens"
+    assert layer_key("lm_head.weight") == "lm_head"
+
+
+def test_spanning_names_marks_layers_split_across_buckets() -> None:
+    f = torch.float32
+    params = [("model.embed_tokens.weight", (16,), f),
+              ("model.layers.0.q.weight", (8,), f), ("model.layers.0.k.weight", (8,), f),
+              ("model.layers.1.q.weight", (8,), f), ("lm_head.weight", (16,), f)]
+    plan = plan_buckets(params, bucket_bytes=96)  # [embed, l0.q], [l0.k, l1.q], [lm_head]
+    assert [[t.name for t in b.tensors] for b in plan] == [
+        ["model.embed_tokens.weight", "model.layers.0.q.weight"],
+        ["model.layers.0.k.weight", "model.layers.1.q.weight"], ["lm_head.weight"]]
+    assert spanning_names(plan) == {"model.layers.0.q.weight"}
+
+
+def test_plan_is_picklable() -> None:
+    import pickle
+
+    plan = plan_buckets([("x", (2, 3), torch.float16)], bucket_bytes=1024)
+    assert pickle.loads(pickle.dumps(plan)) == plan
+    wire = plan_to_wire(plan)
+    assert wire[0]["tensors"][0]["shape"] == (2, 3)
+    as_msgpack = [{**b, "tensors": [{**t, "shape": list(t["shape"])} for t in b["tensors"]]} for b in wire]
+    assert plan_from_wire(as_msgpack) == plan
+    assert isinstance(plan[0], Bucket)
+
+
+def model_tensors() -> list[tuple[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(0)
+    return [
+        ("embed.weight", torch.randn(64, 32, generator=g)),
+        ("norm.weight", torch.randn(32, generator=g).to(torch.bfloat16)),
+        ("layer.0.q.weight", torch.randn(32, 32, generator=g)),
+        ("layer.0.k.weight", torch.randn(16, 32, generator=g)),
+        ("layer.0.norm.weight", torch.randn(32, generator=g).to(torch.bfloat16)),
+        ("head.weight", torch.randn(64, 32, generator=g)),
+    ]
+
+
+def run_pair(sender_fn, receiver_fn) -> None:  # type: ignore[no-untyped-def]
+    errors: list[BaseException] = []
+
+    def guarded(fn) -> None:  # type: ignore[no-untyped-def]
+        try:
+            fn()
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=guarded, args=(fn,)) for fn in (sender_fn, receiver_fn)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not any(t.is_alive() for t in threads), "weight group threads hung"
+    if errors:
+        raise errors[0]
+
+
+def test_gloo_send_receive_exact() -> None:
+    tensors = model_tensors()
+    plan = plan_buckets([(n, tuple(t.shape), t.dtype) for n, t in tensors], bucket_bytes=6000)
+    assert len(plan) > 2
+    port = free_port()
+    received: dict[str, torch.Tensor] = {}
+    sent_bytes: list[int] = []
+
+    def sender() -> None:
+        group = open_weight_group("127.0.0.1", port, 0, 2, "gloo", timeout_s=30)
+        sender = WeightSender(plan, group)
+        for _ in range(2):  # buffers are reused across syncs
+            sent_bytes.append(sender.send(iter(tensors)))
+        group.close()
+
+    def receiver() -> None:
+        group = open_weight_group("127.0.0.1", port, 1, 2, "gloo", timeout_s=30)
+        recv = WeightReceiver(plan, group)
+        for _ in range(2):
+            received.clear()
+            for name, view in recv.iter_weights():
+                received[name] = view.clone()  # a view lives only until the next bucket
+        group.close()
+
+    run_pair(sender, receiver)
+    assert list(received) == [n for n, _ in tensors]
+    for name, tensor in tensors:
+        assert received[name].dtype == tensor.dtype
+        assert torch.equal(received[name], tensor), name
+    assert sent_bytes[0] == sum(t.numel() * t.element_size() for _, t in tensors)
+
+
+def test_sender_rejects_wrong_name_and_shape() -> None:
+    tensors = model_tensors()
+    plan = plan_buckets([(n, tuple(t.shape), t.dtype) for n, t in tensors], bucket_bytes=1 << 20)
+    port = free_port()
+    group = open_weight_group("127.0.0.1", port, 0, 1, "gloo", timeout_s=10)
+    sender = WeightSender(plan, group)
+    with pytest.raises(ValueError, match="expects 'embed.weight' next"):
+        sender.send([("nope", tensors[0][1])])
+    with pytest.raises(ValueError, match="shape"):
+        sender.send([("embed.weight", torch.zeros(3, 3))])
+    with pytest.raises(ValueError, match="expects 6 tensors, got 1"):
+        sender.send(tensors[:1])
+    assert sender.send(tensors) > 0
+    group.close()
+
+
+def test_open_rejects_bad_backend() -> None:
+    with pytest.raises(ValueError, match="backend"):
+        open_weight_group("127.0.0.1", free_port(), 0, 1, "mpi", timeout_s=1)
