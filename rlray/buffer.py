@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from rlray.algo.advantages import group_advantages
+from rlray.algo.advantages import compute_advantages, trains_on
 from rlray.config import AlgoConfig
 from rlray.data.packing import Sample, pack
 from rlray.types import Group, MicroBatch
@@ -63,8 +63,8 @@ class BufferActor:
             for g in groups:
                 self.counts["groups_in"] += 1
                 self.counts["rollout_errors"] += sum(r.error is not None for r in g.rollouts)
-                g.advantages = group_advantages(g.rewards, self.algo.std_normalize, self.algo.std_eps)
-                if self.algo.filter_zero_advantage and not np.any(g.advantages):
+                g.advantages = compute_advantages(g, self.algo)  # with DAPO's overlong penalty if set
+                if self.algo.filter_zero_advantage and np.ptp(g.rewards) == 0:  # DAPO: on raw rewards
                     self.counts["zero_adv_dropped"] += 1
                     self.released += 1
                     continue
@@ -91,7 +91,8 @@ class BufferActor:
 
     def _samples(self, groups: list[Group]) -> list[Sample]:
         return [
-            Sample(r.prompt_ids, r.completion_ids, r.loss_mask.astype(np.float32), float(a), r.logprobs)
+            Sample(r.prompt_ids, r.completion_ids, r.loss_mask.astype(np.float32) * trains_on(r, self.algo),
+                   float(a), r.logprobs)
             for g in groups
             for r, a in zip(g.rollouts, g.advantages)
         ]
@@ -107,6 +108,8 @@ class BufferActor:
             "lag_max": int(lags.max()),
             "completion_tokens": int(tokens),
             "completion_len_mean": tokens / max(1, len(rewards)),
+            "truncated_frac": sum(r.finish_reason == "length" for g in groups for r in g.rollouts)
+            / max(1, len(rewards)),
             **self.counts,
             "queued": len(self.queue),
         }

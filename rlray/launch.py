@@ -25,9 +25,9 @@ register()
 def main(cfg: DictConfig) -> None:
     try:
         config = to_config(cfg)
-        from rlray.algo.loss import get_loss
+        from rlray.algo.loss import check_algo
 
-        get_loss(config.algo.loss)
+        check_algo(config.algo)
     except (ConfigError, ValueError) as e:
         print(f"config error: {e}", file=sys.stderr)
         sys.exit(1)

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from rlray.algo.loss import get_loss
+from rlray.algo.loss import get_loss, loss_normalizer
 from rlray.config import AlgoConfig, ModelConfig, TrainerConfig
 from rlray.models.tiny import model_path
 from rlray.parallel.fsdp import apply_fsdp, data_parallel_mesh
@@ -55,6 +55,12 @@ class TrainerActor:
         self.model.to(self.device)
         mesh = data_parallel_mesh(self.device.type, self.world_size)
         apply_fsdp(self.model, mesh, self.cfg.param_dtype)
+        self.ref_model, self.ref_ready = None, False
+        if self.algo.kl_coef > 0:  # frozen reference for the KL term: the policy at the first RL step
+            path = model_path(self.model_cfg)
+            self.ref_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+            self.ref_model.to(self.device).requires_grad_(False)
+            apply_fsdp(self.ref_model, mesh, self.cfg.param_dtype)
         self.loss_fn = get_loss(self.algo.loss)
         self.set_stage(self.cfg.lr, 0)
         n = sum(p.numel() for p in self.model.parameters()) * self.world_size
@@ -84,11 +90,14 @@ class TrainerActor:
         sums: dict[str, float] = {"loss": 0.0, "mismatch_kl": 0.0, "ratio_outside": 0.0, "tokens": 0.0}
         for mb in micro_batches:
             t = self._tensors(mb)
-            denom = mb.num_loss_tokens_global / self.world_size  # FSDP averages gradients over ranks
+            norm = loss_normalizer(self.algo, mb) if rl else mb.num_loss_tokens_global
+            denom = norm / self.world_size  # FSDP averages gradients over ranks
+            # before the policy's forward, while its parameters are sharded (the reference copies shards)
+            ref = self._reference_logprobs(t) if rl and self.ref_model is not None else None
             logp = self._token_logprobs(t["input_ids"], t["attention_mask"], self.temperature if rl else 1.0)
             if rl:
                 loss_sum, stats = self.loss_fn(logp, t["inference_logprobs"], t["advantages"], t["loss_mask"],
-                                               self.algo)
+                                               self.algo, logp_ref=ref)
                 for k, v in stats.items():
                     sums[k] = sums.get(k, 0.0) + float(v)
             else:
@@ -100,17 +109,34 @@ class TrainerActor:
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return self._reduce(sums, micro_batches[0].num_loss_tokens_global, grad_norm, time.perf_counter() - t0)
+        n_loss = micro_batches[0].num_loss_tokens_global
+        return self._reduce(sums, n_loss, grad_norm, time.perf_counter() - t0, norm)
+
+    @torch.no_grad()
+    def _reference_logprobs(self, t: dict[str, torch.Tensor]) -> torch.Tensor:
+        assert self.ref_model is not None
+        if not self.ref_ready:  # same FSDP layout, so each rank copies its own shards
+            for r, p in zip(self.ref_model.parameters(), self.model.parameters()):
+                r.data.copy_(p.data)
+            self.ref_ready = True
+        logits = self.ref_model(input_ids=t["input_ids"], attention_mask=t["attention_mask"]).logits.float()
+        if self.temperature > 0:
+            logits = logits / self.temperature
+        logp = torch.log_softmax(logits[:, :-1], dim=-1)
+        self.ref_model.reshard()
+        logp = logp.gather(-1, t["input_ids"][:, 1:, None]).squeeze(-1)
+        return torch.nn.functional.pad(logp, (1, 0))
 
     def _reduce(self, sums: dict[str, float], n_loss: float, grad_norm: torch.Tensor,
-                seconds: float) -> dict[str, float]:
+                seconds: float, loss_norm: float | None = None) -> dict[str, float]:
+        """Sums over every rank; the loss over its normaliser, every other stat per loss token."""
         keys = sorted(sums)
         t = torch.tensor([sums[k] for k in keys], dtype=torch.float64, device=self.device)
         dist.all_reduce(t)
         out = {k: float(v) for k, v in zip(keys, t.tolist())}
-        for k in ("loss", "mismatch_kl", "ratio_outside"):
-            if k in out:
-                out[k] /= n_loss
+        for k in out:
+            if k != "tokens":
+                out[k] /= (loss_norm or n_loss) if k == "loss" else n_loss
         out["grad_norm"] = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
         out["lr"] = self.scheduler.get_last_lr()[0]
         out["train_seconds"] = seconds

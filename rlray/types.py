@@ -64,6 +64,7 @@ class MicroBatch:
     advantages: np.ndarray  # float32 [B, T]
     inference_logprobs: np.ndarray  # float32 [B, T]
     num_loss_tokens_global: float = 1.0  # loss tokens in the whole step, over every rank
+    num_sequences_global: float = 1.0  # sequences with a loss token in the whole step, over every rank
 
     @property
     def num_tokens(self) -> int:

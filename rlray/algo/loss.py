@@ -1,64 +1,244 @@
-"""Policy-gradient losses over packed token tensors, chosen by name.
+"""Policy-gradient losses over packed token tensors, chosen by name (`algo.loss`).
 
 Contract: a loss takes the trainer's logprobs of the sampled tokens, the inference
 engine's logprobs of the same tokens, per-token advantages and the loss mask (all
-[B, T] float tensors) plus the algo config, and returns `(loss_sum, stats)`:
-`loss_sum` is the *sum* of per-token losses over masked tokens (the caller divides
-by the global number of loss tokens, so every rank's loss is normalised alike) and
-`stats` holds sums over masked tokens for logging.
+[B, T] float tensors, one row per sequence) plus the algo config and, when
+`algo.kl_coef > 0`, a frozen reference model's logprobs (`logp_ref`). It returns
+`(loss_sum, stats)`: `loss_sum` is a *sum* that the caller divides by
+`loss_normalizer(cfg, micro_batch)` (the same global number on every rank), and
+`stats` holds sums over masked tokens (the caller divides them by the global number
+of loss tokens).
 
-Since one optimizer step is taken per batch, the behaviour policy is the inference
-policy: the importance ratio is r = exp(logp_train - logp_infer), per token.
+Each loss builds a per-token loss l[b, t] and shares the rest of the pipeline:
+- ratio: r = pi_theta / mu, mu the inference engine's probability of the sampled
+  token (one optimizer step per batch, so mu is the behaviour and the old policy).
+  With an off-policy correction (`algo.correction` tis/mis, see `correction.py`)
+  r = pi_theta / sg(pi_theta) instead (value 1) and the correction weight carries
+  pi_theta / mu.
+- extra terms: `kl_coef * k3(pi_theta || pi_ref)` (Schulman 2020's k3 estimator,
+  GRPO's KL to a frozen reference) and `mismatch_kl_coef * (log pi_theta/mu)^2`
+  (Kimi K2.5's penalty on the trainer/inference log ratio, used by dppo_tv).
+- aggregation (`algo.aggregation`, "auto" = the paper's choice for the loss):
+  token:    sum_{b,t} l / (global loss tokens)                      (DAPO)
+  sequence: sum_b mean_t l / (global sequences)                     (GRPO, GSPO)
+  constant: sum_{b,t} l / (global sequences * algo.max_tokens)      (Dr.GRPO)
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
+from rlray.algo.advantages import BASELINES, _max_tokens
+from rlray.algo.correction import CORRECTIONS, LEVELS, correction_weights
 from rlray.config import AlgoConfig
+from rlray.types import MicroBatch
 
-LossFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, AlgoConfig],
-                  tuple[torch.Tensor, dict[str, torch.Tensor]]]
+Tensor = torch.Tensor
+LossFn = Callable[..., tuple[Tensor, dict[str, Tensor]]]
+AGGREGATIONS = ("token", "sequence", "constant")
 
 
-def mismatch_kl(logp_train: torch.Tensor, logp_infer: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def mismatch_kl(logp_train: Tensor, logp_infer: Tensor, mask: Tensor) -> Tensor:
     """Sum over masked tokens of the k3 estimate of KL(infer || train): e^d - d - 1, d = train - infer."""
     d = (logp_train - logp_infer).detach()
     return ((torch.exp(d) - d - 1) * mask).sum()
 
 
-def grpo_loss(
-    logp_train: torch.Tensor,
-    logp_infer: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    cfg: AlgoConfig,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """GRPO (Shao et al. 2024, DeepSeekMath), token-level, token-sum aggregation.
+def k3_kl(logp: Tensor, logp_ref: Tensor) -> Tensor:
+    """Per-token k3 estimate of KL(pi_theta || pi_ref): e^u - u - 1 with u = logp_ref - logp (unbiased, >= 0)."""
+    u = logp_ref - logp
+    return torch.exp(u) - u - 1
 
-    clip: l_t = -min(r_t A_t, clip(r_t, 1-eps_low, 1+eps_high) A_t)      (PPO's clipped surrogate)
-    mask: l_t = -r_t A_t if 1-eps_low <= r_t <= 1+eps_high else 0        (extreme ratios dropped)
-    """
-    ratio = torch.exp(logp_train - logp_infer)
+
+def aggregation(cfg: AlgoConfig) -> str:
+    return DEFAULT_AGGREGATION[cfg.loss] if cfg.aggregation == "auto" else cfg.aggregation
+
+
+def aggregate(per_token: Tensor, mask: Tensor, how: str) -> Tensor:
+    """The loss sum: over tokens (token, constant) or of per-row token means (sequence)."""
+    if how == "sequence":
+        return ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1)).sum()
+    return (per_token * mask).sum()
+
+
+def loss_normalizer(cfg: AlgoConfig, mb: MicroBatch) -> float:
+    """The global divisor of the loss sums of one step, the same on every rank."""
+    how = aggregation(cfg)
+    if how == "token":
+        return mb.num_loss_tokens_global
+    if how == "sequence":
+        return mb.num_sequences_global
+    return mb.num_sequences_global * _max_tokens(cfg)
+
+
+def _log_ratio(logp_train: Tensor, logp_infer: Tensor, mask: Tensor, cfg: AlgoConfig) -> Tensor:
+    """log r per token, zero off the mask: against mu, or against sg(pi_theta) under a correction."""
+    old = logp_infer if cfg.correction == "none" else logp_train.detach()
+    return (logp_train - old) * mask
+
+
+def _clipped(ratio: Tensor, adv: Tensor, cfg: AlgoConfig) -> tuple[Tensor, Tensor]:
+    """PPO's clipped surrogate (ratio_correction=clip) or its masked variant (mask); and the outside flags."""
     lo, hi = 1.0 - cfg.eps_low, 1.0 + cfg.eps_high
     outside = ((ratio < lo) | (ratio > hi)).float()
     if cfg.ratio_correction == "clip":
-        per_token = -torch.minimum(ratio * advantages, ratio.clamp(lo, hi) * advantages)
-    else:
-        per_token = -ratio * advantages * (1.0 - outside)
-    stats = {
-        "ratio_outside": (outside * mask).sum().detach(),
-        "mismatch_kl": mismatch_kl(logp_train, logp_infer, mask),
-    }
-    return (per_token * mask).sum(), stats
+        return -torch.minimum(ratio * adv, ratio.clamp(lo, hi) * adv), outside
+    return -ratio * adv * (1.0 - outside), outside
 
 
-LOSSES: dict[str, LossFn] = {"grpo": grpo_loss}
+def _finish(per_token: Tensor, outside: Tensor, logp_train: Tensor, logp_infer: Tensor, mask: Tensor,
+            cfg: AlgoConfig, logp_ref: Tensor | None) -> tuple[Tensor, dict[str, Tensor]]:
+    """Correction weight, extra terms, aggregation and stats shared by every loss."""
+    weight, stats = correction_weights(logp_train, logp_infer, mask, cfg)
+    per_token = per_token * weight
+    if cfg.mismatch_kl_coef > 0:
+        per_token = per_token + cfg.mismatch_kl_coef * ((logp_train - logp_infer) * mask) ** 2
+    if cfg.kl_coef > 0:
+        if logp_ref is None:
+            raise ValueError("algo.kl_coef > 0 needs the reference model's logprobs (logp_ref)")
+        kl = k3_kl(logp_train, logp_ref) * mask
+        per_token = per_token + cfg.kl_coef * kl
+        stats["kl_ref"] = kl.detach().sum()
+    stats["ratio_outside"] = (outside * mask).sum().detach()
+    stats["mismatch_kl"] = mismatch_kl(logp_train, logp_infer, mask)
+    return aggregate(per_token, mask, aggregation(cfg)), stats
+
+
+def grpo_loss(logp_train: Tensor, logp_infer: Tensor, advantages: Tensor, mask: Tensor, cfg: AlgoConfig,
+              logp_ref: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+    """GRPO (Shao et al. 2024, DeepSeekMath, arXiv:2402.03300), PPO's clipped surrogate per token.
+
+    l_t = -min(r_t A, clip(r_t, 1-eps_low, 1+eps_high) A)  [+ beta k3(pi_theta || pi_ref)]
+    J = 1/G sum_i 1/|o_i| sum_t l_t : sequence mean of token means ("auto" aggregation).
+    ratio_correction=mask drops tokens outside the band instead: l_t = -r_t A 1[r_t in band].
+    """
+    ratio = torch.exp(_log_ratio(logp_train, logp_infer, mask, cfg))
+    per_token, outside = _clipped(ratio, advantages, cfg)
+    return _finish(per_token, outside, logp_train, logp_infer, mask, cfg, logp_ref)
+
+
+def dapo_loss(logp_train: Tensor, logp_infer: Tensor, advantages: Tensor, mask: Tensor, cfg: AlgoConfig,
+              logp_ref: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+    """DAPO (Yu et al. 2025, arXiv:2503.14476): GRPO's surrogate with clip-higher, token-level mean.
+
+    l_t = -min(r_t A, clip(r_t, 1-eps_low, 1+eps_high) A), eps_high > eps_low (0.2, 0.28)
+    J = 1/sum_i |o_i| sum_i sum_t l_t  ("auto" aggregation: token). Dynamic sampling
+    (algo.filter_zero_advantage) and overlong shaping (algo.overlong_*) live in the buffer.
+    """
+    return grpo_loss(logp_train, logp_infer, advantages, mask, cfg, logp_ref)
+
+
+def dr_grpo_loss(logp_train: Tensor, logp_infer: Tensor, advantages: Tensor, mask: Tensor, cfg: AlgoConfig,
+                 logp_ref: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+    """Dr.GRPO (Liu et al. 2025, "Understanding R1-Zero-Like Training", arXiv:2503.20783).
+
+    l_t = -min(r_t A, clip(r_t, 1-eps, 1+eps) A) with A = r - mean(r) (algo.std_normalize=false)
+    J = 1/(G * L_max) sum_i sum_t l_t : a constant normaliser, L_max = algo.max_tokens
+    ("auto" aggregation: constant), so neither length nor group std biases the update.
+    """
+    return grpo_loss(logp_train, logp_infer, advantages, mask, cfg, logp_ref)
+
+
+def gspo_loss(logp_train: Tensor, logp_infer: Tensor, advantages: Tensor, mask: Tensor, cfg: AlgoConfig,
+              logp_ref: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+    """GSPO (Zheng et al. 2025, Qwen, arXiv:2507.18071): a sequence-level ratio and clip.
+
+    s_i = (pi_theta(y_i) / mu(y_i))^(1/|y_i|) = exp(1/|y_i| sum_t log r_t)
+    l_i = -min(s_i A_i, clip(s_i, 1-eps_low, 1+eps_high) A_i), eps (3e-4, 4e-4) in the paper
+    J = 1/G sum_i l_i ("auto" aggregation: sequence; every token of sequence i carries l_i).
+    """
+    log_r = _log_ratio(logp_train, logp_infer, mask, cfg)
+    n = mask.sum(-1, keepdim=True).clamp(min=1)
+    seq_ratio = torch.exp(log_r.sum(-1, keepdim=True) / n)
+    seq_adv = (advantages * mask).sum(-1, keepdim=True) / n
+    per_seq, outside = _clipped(seq_ratio, seq_adv, cfg)
+    return _finish(per_seq.expand_as(mask), outside.expand_as(mask), logp_train, logp_infer, mask, cfg,
+                   logp_ref)
+
+
+def cispo_loss(logp_train: Tensor, logp_infer: Tensor, advantages: Tensor, mask: Tensor, cfg: AlgoConfig,
+               logp_ref: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+    """CISPO (MiniMax-M1, arXiv:2506.13585): a clipped, stop-gradient importance weight.
+
+    l_t = -sg(clip(r_t, 1-eps_low, 1+eps_high)) A log pi_theta(y_t); no token loses its
+    gradient. The paper sets no lower bound (eps_low = 1) and tunes eps_high only.
+    Computed as -sg(r^) A pi_theta/sg(pi_theta): the same gradient, value -r^ A.
+    J = 1/sum_i |o_i| sum_i sum_t l_t ("auto" aggregation: token).
+    """
+    ratio = torch.exp(_log_ratio(logp_train, logp_infer, mask, cfg)).detach()
+    lo, hi = 1.0 - cfg.eps_low, 1.0 + cfg.eps_high
+    outside = ((ratio < lo) | (ratio > hi)).float()
+    score = torch.exp(logp_train - logp_train.detach())
+    per_token = -ratio.clamp(lo, hi) * advantages * score
+    return _finish(per_token, outside, logp_train, logp_infer, mask, cfg, logp_ref)
+
+
+def dppo_tv_loss(logp_train: Tensor, logp_infer: Tensor, advantages: Tensor, mask: Tensor, cfg: AlgoConfig,
+                 logp_ref: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+    """DPPO-Binary-TV (arXiv:2602.04879) as prime-rl's default loss: a probability-difference mask.
+
+    d_t = pi_theta(y_t) - mu(y_t); a token is dropped when it left the trust region in
+    the direction its advantage pushes: A > 0 and d_t > eps_high, or A < 0 and d_t < -eps_low.
+    l_t = -1[kept] r_t A  [+ mismatch_kl_coef (log r_t)^2, Kimi K2.5's KL penalty]
+    J = 1/sum_i |o_i| sum_i sum_t l_t ("auto" aggregation: token).
+    """
+    log_r = _log_ratio(logp_train, logp_infer, mask, cfg)
+    ratio = torch.exp(log_r)
+    diff = (torch.exp(logp_train) - torch.exp(logp_train - log_r)).detach()
+    dropped = ((advantages > 0) & (diff > cfg.eps_high)) | ((advantages < 0) & (diff < -cfg.eps_low))
+    per_token = -ratio * advantages * (~dropped).float()
+    return _finish(per_token, dropped.float(), logp_train, logp_infer, mask, cfg, logp_ref)
+
+
+LOSSES: dict[str, LossFn] = {
+    "grpo": grpo_loss,
+    "dapo": dapo_loss,
+    "dr_grpo": dr_grpo_loss,
+    "gspo": gspo_loss,
+    "cispo": cispo_loss,
+    "dppo_tv": dppo_tv_loss,
+}
+
+DEFAULT_AGGREGATION: dict[str, str] = {
+    "grpo": "sequence",
+    "dapo": "token",
+    "dr_grpo": "constant",
+    "gspo": "sequence",
+    "cispo": "token",
+    "dppo_tv": "token",
+}
 
 
 def get_loss(name: str) -> LossFn:
     if name not in LOSSES:
         raise ValueError(f"algo.loss='{name}' is unknown; choose one of {sorted(LOSSES)}")
     return LOSSES[name]
+
+
+def _choose(key: str, value: str, options: tuple[str, ...]) -> None:
+    if value not in options:
+        raise ValueError(f"algo.{key}='{value}' is unknown; choose one of {list(options)}")
+
+
+def check_algo(cfg: AlgoConfig) -> None:
+    """Every `algo.*` value the losses and the buffer will read; raises ValueError naming the key."""
+    get_loss(cfg.loss)
+    _choose("aggregation", cfg.aggregation, ("auto", *AGGREGATIONS))
+    _choose("baseline", cfg.baseline, BASELINES)
+    _choose("correction", cfg.correction, CORRECTIONS)
+    _choose("correction_level", cfg.correction_level, LEVELS)
+    _choose("ratio_correction", cfg.ratio_correction, ("clip", "mask"))
+    if not 0 <= cfg.eps_low <= 1 or cfg.eps_high < 0:
+        raise ValueError(f"algo.eps_low={cfg.eps_low} must be in [0, 1] and algo.eps_high={cfg.eps_high} >= 0")
+    if not 0 <= cfg.correction_low < 1 < cfg.correction_high:
+        raise ValueError(f"algo.correction_low={cfg.correction_low} must be in [0, 1) and "
+                         f"algo.correction_high={cfg.correction_high} > 1")
+    if cfg.kl_coef < 0 or cfg.mismatch_kl_coef < 0:
+        raise ValueError("algo.kl_coef and algo.mismatch_kl_coef must be >= 0")
+    if aggregation(cfg) == "constant" or cfg.overlong_buffer > 0:
+        max_tokens = _max_tokens(cfg)
+        if cfg.overlong_buffer >= max_tokens:
+            raise ValueError(f"algo.overlong_buffer={cfg.overlong_buffer} must be smaller than "
+                             f"algo.max_tokens={max_tokens} (rollout.max_tokens)")

@@ -76,6 +76,7 @@ def pack(samples: list[Sample], num_ranks: int, micro_batch_tokens: int, pad_id:
     per_rank = [_cut(r, micro_batch_tokens) for r in _deal(samples, num_ranks)]
     count = max(1, max(len(chunks) for chunks in per_rank))
     total = float(sum(s.loss_mask.sum() for s in samples))
+    sequences = float(sum(s.loss_mask.sum() > 0 for s in samples))
     filler = Sample(np.array([pad_id]), np.array([pad_id]), np.zeros(1, np.float32), 0.0, np.zeros(1, np.float32))
     out: list[list[MicroBatch]] = []
     for chunks in per_rank:
@@ -83,5 +84,6 @@ def pack(samples: list[Sample], num_ranks: int, micro_batch_tokens: int, pad_id:
         mbs = [to_micro_batch(c, pad_id) for c in chunks]
         for mb in mbs:
             mb.num_loss_tokens_global = max(total, 1.0)
+            mb.num_sequences_global = max(sequences, 1.0)
         out.append(mbs)
     return out

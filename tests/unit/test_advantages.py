@@ -1,0 +1,95 @@
+"""Advantages, DAPO's overlong handling and dynamic sampling, by hand."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from rlray.algo.advantages import compute_advantages, group_advantages, overlong_penalty, trains_on
+from rlray.buffer import BufferActor
+from rlray.config import AlgoConfig
+from rlray.types import Group, Rollout
+
+
+def rollout(reward: float, n: int = 3, finish: str = "stop", version: int = 0) -> Rollout:
+    return Rollout(prompt_ids=np.array([1, 5]), completion_ids=np.arange(7, 7 + n),
+                   logprobs=np.full(n, -0.5, np.float32), loss_mask=np.ones(n, np.int8),
+                   versions=np.full(n, version), reward=reward, finish_reason=finish)
+
+
+def test_rloo_leaves_each_rollout_out_of_its_baseline() -> None:
+    r = np.array([1.0, 0.0, 0.5])
+    # r_i - mean of the others: 1 - 0.25, 0 - 0.75, 0.5 - 0.5
+    np.testing.assert_allclose(group_advantages(r, False, baseline="rloo"), [0.75, -0.75, 0.0], atol=1e-6)
+    np.testing.assert_allclose(group_advantages(r, False, baseline="mean"), [0.5, -0.5, 0.0], atol=1e-6)
+    std = np.sqrt(((0.5 ** 2) * 2) / 3)
+    np.testing.assert_allclose(group_advantages(r, True, 1e-4, "rloo"), np.array([0.75, -0.75, 0]) / (std + 1e-4),
+                               rtol=1e-5)
+    assert group_advantages(np.array([1.0]), False, baseline="rloo").tolist() == [0.0]
+    with pytest.raises(ValueError, match="algo.baseline"):
+        group_advantages(r, baseline="median")
+
+
+def test_soft_overlong_penalty_by_hand() -> None:
+    # L_max 10, L_cache 4: free up to 6 tokens, then -1/4 per token, -1 from 10 on (times the factor)
+    got = overlong_penalty(np.array([5, 6, 7, 8, 10, 12]), max_tokens=10, buffer=4, factor=0.5)
+    np.testing.assert_allclose(got, [0, 0, -0.125, -0.25, -0.5, -0.5])
+    assert not np.any(overlong_penalty(np.array([50]), 10, 0))
+
+
+def test_overlong_penalty_shapes_rewards_before_advantages() -> None:
+    g = Group([rollout(1.0, n=4), rollout(1.0, n=8)])
+    cfg = AlgoConfig(std_normalize=False, max_tokens=10, overlong_buffer=4)
+    np.testing.assert_allclose(compute_advantages(g, cfg), [0.25, -0.25])  # shaped rewards 1, 0.5
+    np.testing.assert_allclose(compute_advantages(g, AlgoConfig(std_normalize=False)), [0, 0])
+
+
+def test_overlong_filter_masks_truncated_completions() -> None:
+    cut, done = rollout(1.0, finish="length"), rollout(1.0)
+    assert trains_on(cut, AlgoConfig(overlong_filter=True)) == 0.0
+    assert trains_on(done, AlgoConfig(overlong_filter=True)) == 1.0
+    assert trains_on(cut, AlgoConfig()) == 1.0
+
+    async def go() -> None:
+        buf = BufferActor(AlgoConfig(overlong_filter=True), groups_per_step=1, max_off_policy_steps=0,
+                          num_ranks=1, micro_batch_tokens=4096, pad_id=0)
+        await buf.put([Group([rollout(1.0, n=3, finish="length"), rollout(0.0, n=2)])])
+        (mbs,) = await buf.get_batch(0)
+        assert mbs[0].loss_mask.sum() == 2  # only the finished completion trains
+        assert mbs[0].num_loss_tokens_global == 2 and mbs[0].num_sequences_global == 1
+        assert (await buf.step_stats(0))["truncated_frac"] == 0.5
+    asyncio.run(go())
+
+
+def test_dynamic_sampling_keeps_sampling_until_the_batch_is_full() -> None:
+    """DAPO: all-equal groups are dropped, their tickets return, and get_batch waits for G useful groups."""
+    async def go() -> None:
+        buf = BufferActor(AlgoConfig(filter_zero_advantage=True), groups_per_step=2, max_off_policy_steps=0,
+                          num_ranks=1, micro_batch_tokens=4096, pad_id=0)
+        assert await buf.reserve(0, 10) == 2
+        task = asyncio.create_task(buf.get_batch(0))
+        await buf.put([Group([rollout(1.0), rollout(1.0)]), Group([rollout(1.0), rollout(0.0)])])
+        await asyncio.sleep(0.05)
+        assert not task.done()  # one useful group of two
+        assert await buf.reserve(0, 10) == 1  # the dropped group's ticket is granted again
+        await buf.put([Group([rollout(0.0), rollout(0.0)])])  # dropped too
+        assert await buf.reserve(0, 10) == 1
+        await buf.put([Group([rollout(0.0), rollout(0.5)])])
+        (mbs,) = await asyncio.wait_for(task, 1)
+        stats = await buf.step_stats(0)
+        assert stats["zero_adv_dropped"] == 2
+        assert sum(mb.num_sequences_global for mb in mbs[:1]) == 4
+        assert all(np.any(mb.advantages) for mb in mbs)
+    asyncio.run(go())
+
+
+def test_dynamic_sampling_looks_at_raw_rewards_not_shaped_ones() -> None:
+    async def go() -> None:
+        cfg = AlgoConfig(filter_zero_advantage=True, max_tokens=10, overlong_buffer=4)
+        buf = BufferActor(cfg, groups_per_step=1, max_off_policy_steps=0, num_ranks=1,
+                          micro_batch_tokens=4096, pad_id=0)
+        await buf.put([Group([rollout(1.0, n=4), rollout(1.0, n=9)])])  # all correct: dropped
+        assert buf.counts["zero_adv_dropped"] == 1
+    asyncio.run(go())

@@ -1,0 +1,197 @@
+"""Every loss, aggregation and off-policy correction against values computed by hand.
+
+Shared inputs: two sequences (rows), inference probability 0.5 for every token.
+  row 0: ratios r = pi_train/mu = [1.5, 0.9, (pad)], advantage +1, two loss tokens
+  row 1: ratios r = [1.0, 0.7, 1.1], advantage -2, three loss tokens
+The gradient is taken with respect to the trainer's logprobs: a negative gradient
+means gradient descent raises that token's probability.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from rlray.algo.loss import LOSSES, check_algo, get_loss, k3_kl, loss_normalizer
+from rlray.algo.presets import CORRECTION_PRESETS, PRESETS
+from rlray.config import AlgoConfig
+from rlray.types import MicroBatch
+
+RATIOS = [[1.5, 0.9, 1.0], [1.0, 0.7, 1.1]]
+
+
+def inputs(ratios=RATIOS) -> tuple[torch.Tensor, ...]:
+    logp_infer = torch.log(torch.full((2, 3), 0.5))
+    logp_train = (logp_infer + torch.log(torch.tensor(ratios))).requires_grad_()
+    adv = torch.tensor([[1.0, 1.0, 0.0], [-2.0, -2.0, -2.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
+    return logp_train, logp_infer, adv, mask
+
+
+def run(name: str, **algo) -> tuple[float, dict[str, float], np.ndarray]:
+    lt, li, adv, mask = inputs()
+    loss, stats = get_loss(name)(lt, li, adv, mask, AlgoConfig(loss=name, **algo))
+    loss.backward()
+    return float(loss.detach()), {k: float(v) for k, v in stats.items()}, lt.grad.numpy()
+
+
+def test_grpo_token_and_sequence_aggregation() -> None:
+    # l = -min(rA, clip(r, 0.8, 1.2)A): row 0 [-1.2 (clipped), -0.9]; row 1 [2, 1.6 (clipped), 2.2]
+    loss, stats, grad = run("grpo", aggregation="token")
+    assert loss == pytest.approx(-1.2 - 0.9 + 2 + 1.6 + 2.2, abs=1e-5)
+    assert stats["ratio_outside"] == 2
+    # clipped tokens get no gradient; the others -r*A
+    np.testing.assert_allclose(grad, [[0, -0.9, 0], [2.0, 0, 2.2]], atol=1e-6)
+    loss, _, grad = run("grpo")  # auto: GRPO's paper averages token means per sequence
+    assert loss == pytest.approx((-1.2 - 0.9) / 2 + (2 + 1.6 + 2.2) / 3, abs=1e-5)
+    np.testing.assert_allclose(grad, [[0, -0.45, 0], [2 / 3, 0, 2.2 / 3]], atol=1e-6)
+
+
+def test_dapo_clip_higher() -> None:
+    # eps_high 0.6: the 1.5 ratio of a positive token is no longer clipped
+    loss, stats, grad = run("dapo", eps_low=0.2, eps_high=0.6)
+    assert loss == pytest.approx(-1.5 - 0.9 + 2 + 1.6 + 2.2, abs=1e-5)
+    assert stats["ratio_outside"] == 1
+    np.testing.assert_allclose(grad, [[-1.5, -0.9, 0], [2.0, 0, 2.2]], atol=1e-6)
+
+
+def test_dr_grpo_sums_tokens_for_a_constant_normaliser() -> None:
+    loss, _, grad = run("dr_grpo")
+    assert loss == pytest.approx(3.7, abs=1e-5)
+    np.testing.assert_allclose(grad, [[0, -0.9, 0], [2.0, 0, 2.2]], atol=1e-6)
+
+
+def test_loss_normalizer_per_aggregation() -> None:
+    z = np.zeros((1, 1))
+    mb = MicroBatch(z, z, z, z, z, num_loss_tokens_global=5.0, num_sequences_global=2.0)
+    assert loss_normalizer(AlgoConfig(loss="dapo"), mb) == 5.0
+    assert loss_normalizer(AlgoConfig(loss="grpo"), mb) == 2.0
+    assert loss_normalizer(AlgoConfig(loss="gspo"), mb) == 2.0
+    assert loss_normalizer(AlgoConfig(loss="dr_grpo", max_tokens=4), mb) == 8.0
+    assert loss_normalizer(AlgoConfig(loss="grpo", aggregation="token"), mb) == 5.0
+    with pytest.raises(ValueError, match="algo.max_tokens"):
+        loss_normalizer(AlgoConfig(loss="dr_grpo"), mb)  # not composed by Hydra: no rollout.max_tokens
+
+
+def test_gspo_sequence_ratio() -> None:
+    s0, s1 = math.sqrt(1.5 * 0.9), (1.0 * 0.7 * 1.1) ** (1 / 3)  # geometric means of the ratios
+    loss, stats, grad = run("gspo")  # eps 0.2: both inside the band
+    assert loss == pytest.approx(-s0 + 2 * s1, abs=1e-5)
+    assert stats["ratio_outside"] == 0
+    # d(-s A)/dlogp_t = -A s / |y|, the same for every token of a sequence
+    np.testing.assert_allclose(grad, [[-s0 / 2, -s0 / 2, 0], [2 * s1 / 3] * 3], atol=1e-6)
+    loss, stats, grad = run("gspo", eps_low=3e-4, eps_high=4e-4)  # the paper's band: both clipped
+    assert loss == pytest.approx(-1.0004 + 2 * 0.9997, abs=1e-5)
+    assert stats["ratio_outside"] == 5
+    np.testing.assert_allclose(grad, 0, atol=1e-7)
+
+
+def test_cispo_clips_the_weight_but_keeps_every_gradient() -> None:
+    # weight sg(clip(r, 0, 1.2)): row 0 [1.2, 0.9], row 1 [1.0, 0.7, 1.1]; l = -w A
+    loss, stats, grad = run("cispo", eps_low=1.0, eps_high=0.2)
+    assert loss == pytest.approx(-1.2 - 0.9 + 2 + 1.4 + 2.2, abs=1e-5)
+    assert stats["ratio_outside"] == 1
+    np.testing.assert_allclose(grad, [[-1.2, -0.9, 0], [2.0, 1.4, 2.2]], atol=1e-6)
+
+
+def test_dppo_tv_masks_by_probability_difference_in_the_advantage_direction() -> None:
+    # pi - mu: row 0 [0.25, -0.05] (A > 0), row 1 [0, -0.15, 0.05] (A < 0)
+    # dropped: row 0 token 0 (0.25 > eps_high 0.2), row 1 token 1 (-0.15 < -eps_low -0.1)
+    loss, stats, grad = run("dppo_tv", eps_low=0.1, eps_high=0.2)
+    assert loss == pytest.approx(-0.9 + 2 + 2.2, abs=1e-5)
+    assert stats["ratio_outside"] == 2
+    np.testing.assert_allclose(grad, [[0, -0.9, 0], [2.0, 0, 2.2]], atol=1e-6)
+
+
+def test_mismatch_kl_penalty_by_hand() -> None:
+    lt = torch.log(torch.tensor([[0.75]])).requires_grad_()
+    li = torch.log(torch.tensor([[0.5]]))
+    cfg = AlgoConfig(loss="dppo_tv", mismatch_kl_coef=0.5)
+    loss, _ = get_loss("dppo_tv")(lt, li, torch.zeros(1, 1), torch.ones(1, 1), cfg)
+    loss.backward()
+    assert float(loss.detach()) == pytest.approx(0.5 * math.log(1.5) ** 2, rel=1e-5)
+    assert lt.grad.item() == pytest.approx(math.log(1.5), rel=1e-5)  # 2 c log r: pulls pi_train back to mu
+
+
+def test_reference_kl_k3_by_hand() -> None:
+    lt = torch.log(torch.tensor([[0.5]])).requires_grad_()
+    ref = torch.log(torch.tensor([[0.25]]))
+    assert float(k3_kl(lt.detach(), ref)) == pytest.approx(0.5 + math.log(2) - 1, rel=1e-5)
+    cfg = AlgoConfig(kl_coef=0.1, aggregation="token")
+    loss, stats = get_loss("grpo")(lt, lt.detach(), torch.zeros(1, 1), torch.ones(1, 1), cfg, logp_ref=ref)
+    loss.backward()
+    assert float(loss.detach()) == pytest.approx(0.1 * (0.5 + math.log(2) - 1), rel=1e-5)
+    assert float(stats["kl_ref"]) == pytest.approx(0.5 + math.log(2) - 1, rel=1e-5)
+    assert lt.grad.item() == pytest.approx(0.1 * (1 - 0.5), rel=1e-5)  # 1 - pi_ref/pi > 0: back towards ref
+    with pytest.raises(ValueError, match="logp_ref"):
+        get_loss("grpo")(lt, lt.detach(), torch.zeros(1, 1), torch.ones(1, 1), cfg)
+
+
+def test_tis_token_truncates_the_mismatch_weight() -> None:
+    # the loss ratio is against sg(pi_train) (value 1, never clipped); weight min(r, 1.2)
+    loss, stats, grad = run("grpo", aggregation="token", correction="tis", correction_high=1.2)
+    assert loss == pytest.approx(-1.2 - 0.9 + 2 + 1.4 + 2.2, abs=1e-5)
+    assert stats["correction_clipped"] == 1 and stats["ratio_outside"] == 0
+    np.testing.assert_allclose(grad, [[-1.2, -0.9, 0], [2.0, 1.4, 2.2]], atol=1e-6)
+
+
+def test_mis_token_masks_outside_the_band() -> None:
+    loss, stats, grad = run("grpo", aggregation="token", correction="mis", correction_low=0.8,
+                            correction_high=1.2)
+    assert loss == pytest.approx(-0.9 + 2 + 2.2, abs=1e-5)
+    assert stats["correction_masked"] == 2
+    np.testing.assert_allclose(grad, [[0, -0.9, 0], [2.0, 0, 2.2]], atol=1e-6)
+
+
+def test_sequence_and_geometric_correction_levels() -> None:
+    # sequence weight: product of ratios, row 0 1.35 -> truncated to 1.2, row 1 0.77
+    loss, stats, _ = run("grpo", aggregation="token", correction="tis", correction_level="sequence",
+                         correction_high=1.2)
+    assert loss == pytest.approx(-2 * 1.2 + 3 * 2 * 0.77, abs=1e-5)
+    assert stats["correction_clipped"] == 2
+    loss, stats, _ = run("grpo", aggregation="token", correction="tis", correction_level="geometric",
+                         correction_high=1.2)
+    assert loss == pytest.approx(-2 * math.sqrt(1.35) + 3 * 2 * 0.77 ** (1 / 3), abs=1e-5)
+    assert stats["correction_clipped"] == 0
+    loss, stats, grad = run("grpo", correction="mis", correction_level="sequence", correction_low=0.8,
+                            correction_high=1.2)
+    assert loss == 0 and stats["correction_masked"] == 5
+    np.testing.assert_allclose(grad, 0)
+
+
+@pytest.mark.parametrize("name", sorted(LOSSES))
+@pytest.mark.parametrize("correction", ["none", "tis", "mis"])
+def test_every_preset_pushes_probability_with_the_advantage(name: str, correction: str) -> None:
+    cfg = AlgoConfig(**{**PRESETS[name], **CORRECTION_PRESETS[correction], "max_tokens": 8})
+    check_algo(cfg)
+    for sign in (1.0, -1.0):
+        lt = torch.full((1, 2), -1.0, requires_grad=True)
+        loss, stats = get_loss(name)(lt, lt.detach() - 1e-5, torch.full((1, 2), sign), torch.ones(1, 2), cfg)
+        loss.backward()
+        assert torch.all(torch.sign(lt.grad) == -sign), (name, sign, lt.grad)
+        assert "mismatch_kl" in stats and "ratio_outside" in stats
+
+
+def test_presets_cover_every_loss_and_are_valid_config() -> None:
+    assert set(PRESETS) == set(LOSSES)
+    for name, overrides in PRESETS.items():
+        assert overrides["loss"] == name
+        check_algo(AlgoConfig(**{**overrides, "max_tokens": 64}))
+
+
+@pytest.mark.parametrize("overrides, key", [
+    ({"loss": "nope"}, "algo.loss"),
+    ({"aggregation": "mean"}, "algo.aggregation"),
+    ({"baseline": "median"}, "algo.baseline"),
+    ({"correction": "is"}, "algo.correction"),
+    ({"correction_level": "batch"}, "algo.correction_level"),
+    ({"correction_high": 0.5}, "algo.correction_high"),
+    ({"overlong_buffer": 16, "max_tokens": 16}, "algo.overlong_buffer"),
+    ({"loss": "dr_grpo"}, "algo.max_tokens"),
+])
+def test_check_algo_names_the_key(overrides: dict, key: str) -> None:
+    with pytest.raises(ValueError, match=key):
+        check_algo(AlgoConfig(**overrides))
