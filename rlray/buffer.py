@@ -121,4 +121,6 @@ class BufferActor:
         return {"counts": dict(self.counts)}
 
     async def load_state(self, state: dict[str, Any]) -> None:
+        """Counters from `state()`; tickets restart as if steps before `state["step"]` were consumed."""
         self.counts.update(state["counts"])
+        self.issued, self.released = self.G * state.get("step", 0), 0

@@ -140,6 +140,14 @@ class WeightSyncConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    every: int = 100  # RL steps between checkpoints (0: none); also one at RL start and end
+    keep: int = 2
+    resume: bool = True  # resume from the newest committed checkpoint in run.dir/checkpoints
+    export_hf: bool = True  # write the final policy as a transformers folder to run.dir/hf
+
+
+@dataclass
 class ClusterConfig:
     address: Optional[str] = None  # None: start a local Ray, unless RAY_ADDRESS is set
     num_cpus: int = 8  # logical CPUs declared for a local Ray (fractional bundles fit)
@@ -157,7 +165,7 @@ class LoggingConfig:
 @dataclass
 class RunConfig:
     name: str = "default"
-    dir: str = "runs/${run.name}"
+    dir: str = "runs/${run.name}/${now:%Y%m%d-%H%M%S}"  # reuse an old run.dir to resume it
     seed: int = 0
 
 
@@ -175,6 +183,7 @@ class Config:
     eval: EvalConfig = field(default_factory=EvalConfig)
     env: EnvConfig = field(default_factory=EnvConfig)
     weights: WeightSyncConfig = field(default_factory=WeightSyncConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 

@@ -2,7 +2,10 @@
 
 Contract: `run(config) -> summary` creates the run folder (resolved config,
 metrics.jsonl, eval samples), connects to Ray, spawns the actors, opens the weight
-group once, then runs `config.stages` in order and tears everything down. The
+group once, then runs `config.stages` in order and tears everything down. With
+`checkpoint.every` set, RL commits a checkpoint (trainer DCP shards, policy version,
+buffer counters) at its start and every that many steps; a later run with the same
+run folder resumes from the newest committed one (an interrupted SFT restarts). The
 controller moves object references and version numbers; rollouts and batches go
 from actor to actor (SFT batches, built from the dataset here, are put once).
 The summary holds the held-out greedy rewards after SFT and at the end of RL.
@@ -20,7 +23,7 @@ import numpy as np
 import ray
 import yaml
 
-from rlray import cluster
+from rlray import checkpoint, cluster
 from rlray.config import Config
 from rlray.data.packing import Sample, pack
 from rlray.data.tokenizer import encode_prompt
@@ -47,6 +50,8 @@ class Controller:
         self.env = load_env(c.env.id, c.env.args)
         self.metrics = Metrics(self.run_dir, c.logging, _config_dict(c))
         self.summary: dict[str, Any] = {"run_dir": str(self.run_dir)}
+        self.ckpt_root = self.run_dir / "checkpoints"
+        self.version = 0
 
     # ---- set-up -------------------------------------------------------------------
     def start(self) -> None:
@@ -114,39 +119,81 @@ class Controller:
                 break
         self.summary["sft_reward"] = reward
 
-    def rl(self) -> None:
+    # ---- checkpoints ---------------------------------------------------------------
+    def save(self, stage: str, step: int) -> None:
+        """Commit a checkpoint from which `stage` resumes at `step`."""
+        t0 = time.perf_counter()
+        tmp = checkpoint.staging(self.ckpt_root, stage, step)
+        ray.get([t.save.remote(str(tmp)) for t in self.h.trainers])
+        meta = {"stage": stage, "step": step, "version": self.version, "saved_at": time.time(),
+                "buffer": ray.get(self.h.buffer.state.remote()), "summary": self.summary}
+        path = checkpoint.commit(tmp, meta, self.c.checkpoint.keep)
+        print(f"checkpoint {path} ({time.perf_counter() - t0:.1f}s)", flush=True)
+
+    def resume_point(self) -> dict[str, Any] | None:
+        path = checkpoint.latest(self.ckpt_root) if self.c.checkpoint.resume else None
+        if path is None:
+            return None
+        meta = checkpoint.read_meta(path)
+        print(f"resuming from {path}: stage {meta['stage']}, step {meta['step']}", flush=True)
+        return {**meta, "path": str(path)}
+
+    def _rl_begin(self, resume: dict[str, Any] | None) -> int:
+        ray.get([t.set_stage.remote(self.c.trainer.lr, 0) for t in self.h.trainers])
+        if resume is None:
+            self.version = 0
+            self.sync(0)
+            start = self.evaluate("rl-start")
+            self.summary["rl_start_reward"] = start
+            print(f"held-out greedy reward before RL: {start:.3f}", flush=True)
+            if self.c.checkpoint.every:
+                self.save("rl", 0)
+            return 0
+        ray.get([t.load.remote(resume["path"]) for t in self.h.trainers])
+        self.summary.update(resume["summary"])
+        self.version = resume["version"]
+        ray.get(self.h.buffer.load_state.remote({**resume["buffer"], "step": resume["step"]}))
+        self.sync(self.version)
+        return resume["step"]
+
+    def rl(self, resume: dict[str, Any] | None = None) -> None:
         c = self.c
-        ray.get([t.set_stage.remote(c.trainer.lr, 0) for t in self.h.trainers])
-        self.sync(0)
-        start = self.evaluate("rl-start")
-        self.summary["rl_start_reward"] = start
-        print(f"held-out greedy reward before RL: {start:.3f}", flush=True)
+        first = self._rl_begin(resume)
+        start = self.summary["rl_start_reward"]
         runs = [r.run.remote(cluster.BufferClient(self.h.buffer)) for r in self.h.rollouts]
         n = len(self.h.trainers)
         lags = []
-        for step in range(c.rl.steps):
+        for step in range(first, c.rl.steps):
             t0 = time.perf_counter()
             batch = self.h.buffer.get_batch.options(num_returns=n).remote(step)
             batch = [batch] if n == 1 else batch
             outs = ray.get([t.train_step.remote(b) for t, b in zip(self.h.trainers, batch)])
             values = {**ray.get(self.h.buffer.step_stats.remote(step)), **outs[0]}
             if (step + 1) % c.rl.sync_every == 0:
-                values.update(self.sync(step + 1))
+                self.version = step + 1
+                values.update(self.sync(self.version))
             if c.rl.eval_every and (step + 1) % c.rl.eval_every == 0 and step + 1 < c.rl.steps:
                 values["eval_reward"] = self.evaluate(f"rl-{step + 1}")
             values["step_seconds"] = time.perf_counter() - t0
             values["tokens_per_s"] = values.get("completion_tokens", 0) / values["step_seconds"]
             lags.append(values.get("lag_mean", 0.0))
             self.metrics.log("rl", step, values, c.rl.steps)
+            if c.checkpoint.every and (step + 1) % c.checkpoint.every == 0 and step + 1 < c.rl.steps:
+                self.save("rl", step + 1)
         ray.get([r.stop.remote() for r in self.h.rollouts])
         ray.get(runs)
+        if c.checkpoint.every:
+            self.save("rl", c.rl.steps)
+        if c.checkpoint.export_hf:
+            ray.get([t.export_hf.remote(str(self.run_dir / "hf")) for t in self.h.trainers])
+            print(f"exported the trained model to {self.run_dir / 'hf'}", flush=True)
         end = self.evaluate("rl-end")
         self.summary.update(rl_end_reward=end, lag_max=float(max(lags, default=0.0)))
         print(f"held-out greedy reward after RL: {end:.3f} (before RL {start:.3f}, gain {end - start:+.3f})",
               flush=True)
 
     def eval_stage(self) -> None:
-        self.sync(0)
+        self.sync(self.version)
         self.summary["eval_reward"] = reward = self.evaluate("eval")
         print(f"held-out reward: {reward:.3f}", flush=True)
 
@@ -161,9 +208,13 @@ def run(c: Config) -> dict[str, Any]:
     ctl = Controller(c)
     try:
         ctl.start()
-        stages = {"sft": ctl.sft, "rl": ctl.rl, "eval": ctl.eval_stage}
-        for name in c.stages:
-            stages[name]()
+        resume = ctl.resume_point()
+        todo = c.stages[c.stages.index(resume["stage"]):] if resume else c.stages
+        for name in todo:
+            if name == "rl":
+                ctl.rl(resume)
+            else:
+                {"sft": ctl.sft, "eval": ctl.eval_stage}[name]()
     finally:
         ctl.close()
     print(f"run folder: {ctl.run_dir.resolve()}", flush=True)

@@ -11,6 +11,8 @@ Contract:
 - `init_weight_group(...)` / `broadcast_weights()`: every rank gathers each sharded
   parameter; rank 0 streams them, bucketed, to the inference workers.
 - `logprobs(token_ids, start)` scores a sequence (for checks and tests).
+- `save(dir)` / `load(dir)`: model and optimizer through torch.distributed.checkpoint
+  (every rank writes its shards); `export_hf(dir)`: rank 0 writes a transformers folder.
 """
 
 from __future__ import annotations
@@ -155,6 +157,39 @@ class TrainerActor:
         logp = self._token_logprobs(ids, torch.ones_like(ids), temperature)
         self.model.reshard()
         return logp[0, start:].tolist()
+
+    def _state(self) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model, optim = get_state_dict(self.model, self.optimizer)
+        return {"model": model, "optim": optim, "scheduler": self.scheduler.state_dict()}
+
+    def save(self, path: str) -> None:
+        import torch.distributed.checkpoint as dcp
+
+        dcp.save(self._state(), checkpoint_id=path)
+        dist.barrier()
+
+    def load(self, path: str) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        state = self._state()
+        dcp.load(state, checkpoint_id=path)
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optim"])
+        self.scheduler.load_state_dict(state["scheduler"])
+
+    def export_hf(self, path: str) -> None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        full = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if self.rank == 0:
+            from transformers import AutoTokenizer
+
+            self.model.save_pretrained(path, state_dict=full)
+            AutoTokenizer.from_pretrained(model_path(self.model_cfg)).save_pretrained(path)
+        dist.barrier()
 
     def _full_params(self) -> Iterator[tuple[str, torch.Tensor]]:
         for name, p in self.model.named_parameters():
