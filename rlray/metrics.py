@@ -3,7 +3,9 @@
 Contract: `Metrics(run_dir, cfg, config_dict)` opens `run_dir/metrics.jsonl` (appending)
 and a wandb run (online only with WANDB_API_KEY set, else offline; `disabled`
 turns it off). `log(stage, step, values)` writes one JSON line, logs to wandb
-under `stage/` and prints one console line with the headline numbers.
+under `stage/`, sets rlray's gauges in Ray's metrics system (`ray_rlray_*` at each node's
+Prometheus endpoint and shown by the Ray dashboard) when Ray is up,
+and prints one console line with the headline numbers.
 """
 
 from __future__ import annotations
@@ -22,6 +24,39 @@ CONSOLE = [("reward_mean", "reward", "{:.3f}"), ("eval_reward", "eval", "{:.3f}"
            ("sync_seconds", "sync_s", "{:.3f}"), ("mismatch_kl", "mis_kl", "{:.1e}"), ("loss", "loss", "{:.4f}")]
 
 
+# Ray gauge name -> the logged value it mirrors
+RAY_GAUGES = {
+    "rlray_reward_mean": ("reward_mean", "mean reward of the last RL batch"),
+    "rlray_eval_reward": ("eval_reward", "held-out reward at the last evaluation"),
+    "rlray_off_policy_lag": ("lag_mean", "mean policy versions between generation and training"),
+    "rlray_rollout_tokens_per_s": ("tokens_per_s", "completion tokens trained per second of step time"),
+    "rlray_buffer_depth": ("queued", "groups waiting in the buffer"),
+    "rlray_stale_groups_dropped": ("stale_dropped", "groups dropped as too stale, in total"),
+    "rlray_rollout_errors": ("rollout_errors", "rollouts with an environment error, in total"),
+    "rlray_trainer_step_seconds": ("train_seconds", "trainer forward/backward/optimizer seconds"),
+    "rlray_step_seconds": ("step_seconds", "wall seconds of the whole step"),
+    "rlray_weight_sync_seconds": ("sync_seconds", "seconds of the last weight broadcast"),
+    "rlray_weight_sync_gb_per_s": ("sync_gb_per_s", "GB/s of the last weight broadcast"),
+    "rlray_mismatch_kl": ("mismatch_kl", "KL between inference and trainer logprobs"),
+}
+
+
+class RayGauges:
+    """rlray's numbers as `ray.util.metrics` gauges, tagged with stage and run name."""
+
+    def __init__(self, run: str) -> None:
+        from ray.util.metrics import Gauge
+
+        self.tags = {"run": run}
+        self.gauges = {name: (key, Gauge(name, desc, tag_keys=("run", "stage")))
+                       for name, (key, desc) in RAY_GAUGES.items()}
+
+    def set(self, stage: str, values: dict[str, Any]) -> None:
+        for key, gauge in self.gauges.values():
+            if isinstance(values.get(key), (int, float)):
+                gauge.set(float(values[key]), tags={**self.tags, "stage": stage})
+
+
 def wandb_mode(setting: str) -> str:
     if setting != "auto":
         return setting
@@ -34,6 +69,7 @@ class Metrics:
         self.file = self.path.open("a")
         self.t0 = time.time()
         self.wandb = None
+        self.ray: RayGauges | None = None
         mode = wandb_mode(cfg.wandb)
         if mode != "disabled":
             import wandb
@@ -47,7 +83,20 @@ class Metrics:
         self.file.flush()
         if self.wandb is not None:
             self.wandb.log({f"{stage}/{k}": v for k, v in values.items() if isinstance(v, (int, float))})
+        if self._ray_up():
+            self._ray_gauges().set(stage, values)
         self.console(stage, step, values, total)
+
+    @staticmethod
+    def _ray_up() -> bool:
+        import ray
+
+        return ray.is_initialized()
+
+    def _ray_gauges(self) -> RayGauges:
+        if self.ray is None:
+            self.ray = RayGauges(self.path.parent.name)
+        return self.ray
 
     @staticmethod
     def console(stage: str, step: int, values: dict[str, Any], total: int | None = None) -> None:

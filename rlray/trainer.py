@@ -105,7 +105,7 @@ class TrainerActor:
             else:
                 loss_sum = -(logp * t["loss_mask"]).sum()
             (loss_sum / denom).backward()
-            sums["loss"] += float(loss_sum)
+            sums["loss"] += float(loss_sum.detach())
             sums["tokens"] += float(t["attention_mask"].sum())
         grad_norm = nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm)
         self.optimizer.step()
