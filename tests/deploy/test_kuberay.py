@@ -1,0 +1,244 @@
+"""docker/kuberay/: the RayJob and RayCluster carry KubeRay's ray.io/v1 fields and fit the recipe they run.
+
+No Kubernetes API server here: the KubeRay fields are checked against the ray.io/v1 Go types
+(ray-operator/apis/ray/v1/{rayjob,raycluster}_types.go, KubeRay v1.7), the pod templates and
+the PVC against Kubernetes' own schema with `kubernetes-validate` when it is installed, and the
+entrypoint against rlray's real config composition.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+KUBERAY = ROOT / "docker" / "kuberay"
+K8S_VERSION = "1.34.0"
+
+# json field names of the ray.io/v1 types (KubeRay v1.7.0).
+RAYJOB_SPEC = {"activeDeadlineSeconds", "backoffLimit", "rayClusterSpec", "submitterPodTemplate", "metadata",
+               "clusterSelector", "submitterConfig", "managedBy", "deletionStrategy", "entrypoint",
+               "runtimeEnvYAML", "jobId", "submissionMode", "entrypointResources", "entrypointNumCpus",
+               "entrypointNumGpus", "ttlSecondsAfterFinished", "preRunningDeadlineSeconds",
+               "shutdownAfterJobFinishes", "suspend"}
+SUBMISSION_MODES = {"K8sJobMode", "HTTPMode", "InteractiveMode", "SidecarMode"}
+RAYCLUSTER_SPEC = {"upgradeStrategy", "authOptions", "suspend", "managedBy", "autoscalerOptions",
+                   "headServiceAnnotations", "enableInTreeAutoscaling", "gcsFaultToleranceOptions",
+                   "historyServerOptions", "networkPolicy", "tlsOptions", "headGroupSpec", "rayVersion",
+                   "workerGroupSpecs"}
+AUTH_OPTIONS = {"enableK8sTokenAuth", "secretName", "mode"}
+HEAD_GROUP = {"template", "headService", "enableIngress", "ingressOptions", "resources", "labels",
+              "rayStartParams", "serviceType"}
+HEAD_GROUP_REQUIRED = {"template", "rayStartParams"}
+WORKER_GROUP = {"suspend", "groupName", "replicas", "minReplicas", "maxReplicas", "idleTimeoutSeconds",
+                "priority", "resources", "labels", "rayStartParams", "template", "scaleStrategy",
+                "numOfHosts"}
+WORKER_GROUP_REQUIRED = {"groupName", "minReplicas", "maxReplicas", "rayStartParams", "template"}
+GPU = "nvidia.com/gpu"
+
+
+def load(name: str) -> list[dict[str, Any]]:
+    with (KUBERAY / name).open() as f:
+        return [d for d in yaml.safe_load_all(f) if d is not None]
+
+
+def one(name: str, kind: str) -> dict[str, Any]:
+    docs = [d for d in load(name) if d.get("kind") == kind]
+    assert len(docs) == 1, f"{name}: expected one {kind}, found {len(docs)}"
+    return docs[0]
+
+
+def cluster_specs() -> list[tuple[str, dict[str, Any]]]:
+    job = one("rayjob.yaml", "RayJob")
+    cluster = one("raycluster.yaml", "RayCluster")
+    return [("rayjob.yaml", job["spec"]["rayClusterSpec"]), ("raycluster.yaml", cluster["spec"])]
+
+
+def unknown(obj: dict[str, Any], allowed: set[str]) -> set[str]:
+    return set(obj) - allowed
+
+
+def ray_container(template: dict[str, Any]) -> dict[str, Any]:
+    """KubeRay runs Ray in the pod template's first container."""
+    return template["spec"]["containers"][0]
+
+
+def gpus(container: dict[str, Any]) -> int:
+    return int(container.get("resources", {}).get("limits", {}).get(GPU, 0))
+
+
+def compose_entrypoint(entrypoint: str):
+    """The typed Config that `python -m rlray.launch ARGS` would run (as under ray job submit)."""
+    from hydra import compose, initialize_config_dir
+
+    from rlray.config import register, to_config
+    from rlray.launch import CONF_DIR
+
+    argv = shlex.split(entrypoint)
+    assert argv[:3] == ["python", "-m", "rlray.launch"], argv
+    register()
+    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
+        cfg = compose("config", overrides=argv[3:])
+    return to_config(cfg)
+
+
+def test_manifests_are_ray_io_v1() -> None:
+    job = one("rayjob.yaml", "RayJob")
+    cluster = one("raycluster.yaml", "RayCluster")
+    for obj in (job, cluster):
+        assert obj["apiVersion"] == "ray.io/v1"
+        assert re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?", obj["metadata"]["name"])
+        assert len(obj["metadata"]["name"]) <= 47  # KubeRay appends suffixes to derived names
+
+
+def test_rayjob_spec_fields() -> None:
+    spec = one("rayjob.yaml", "RayJob")["spec"]
+    assert not unknown(spec, RAYJOB_SPEC), unknown(spec, RAYJOB_SPEC)
+    assert isinstance(spec["entrypoint"], str) and spec["entrypoint"]
+    assert spec["shutdownAfterJobFinishes"] is True
+    ttl = spec.get("ttlSecondsAfterFinished", 0)
+    assert isinstance(ttl, int) and ttl >= 0
+    assert spec.get("submissionMode", "K8sJobMode") in SUBMISSION_MODES
+    assert "rayClusterSpec" in spec and "clusterSelector" not in spec  # the job brings its own cluster
+    assert "deletionStrategy" not in spec  # incompatible with shutdownAfterJobFinishes + TTL in rules mode
+
+
+@pytest.mark.parametrize("name, spec", cluster_specs(), ids=["rayjob", "raycluster"])
+def test_cluster_spec_fields(name: str, spec: dict[str, Any]) -> None:
+    assert not unknown(spec, RAYCLUSTER_SPEC), (name, unknown(spec, RAYCLUSTER_SPEC))
+    head = spec["headGroupSpec"]
+    assert HEAD_GROUP_REQUIRED <= set(head) and not unknown(head, HEAD_GROUP), (name, set(head))
+    groups = spec["workerGroupSpecs"]
+    assert groups, name
+    names = [g["groupName"] for g in groups]
+    assert len(set(names)) == len(names), names
+    for g in groups:
+        assert WORKER_GROUP_REQUIRED <= set(g) and not unknown(g, WORKER_GROUP), (name, set(g))
+        for key in ("replicas", "minReplicas", "maxReplicas"):
+            assert isinstance(g.get(key, 0), int) and not isinstance(g.get(key, 0), bool), (name, key)
+        assert 0 <= g["minReplicas"] <= g.get("replicas", g["minReplicas"]) <= g["maxReplicas"], (name, g)
+    for params in [head["rayStartParams"]] + [g["rayStartParams"] for g in groups]:
+        assert isinstance(params, dict)  # map[string]string: an unquoted number fails the CRD
+        assert all(isinstance(v, str) for v in params.values()), (name, params)
+        assert "address" not in params  # KubeRay fills in the head's address itself
+
+
+@pytest.mark.parametrize("name, spec", cluster_specs(), ids=["rayjob", "raycluster"])
+def test_token_auth_and_ray_version(name: str, spec: dict[str, Any]) -> None:
+    import ray
+
+    assert spec["rayVersion"] == ray.__version__ == "2.60.0", name
+    auth = spec["authOptions"]
+    assert not unknown(auth, AUTH_OPTIONS) and auth["mode"] == "token", (name, auth)
+    # KubeRay injects RAY_AUTH_MODE/RAY_AUTH_TOKEN itself; a hand-set one would override its secret.
+    for template in [spec["headGroupSpec"]["template"]] + [g["template"] for g in spec["workerGroupSpecs"]]:
+        env = {e["name"] for e in ray_container(template).get("env", [])}
+        assert not env & {"RAY_AUTH_MODE", "RAY_AUTH_TOKEN"}, (name, env)
+
+
+@pytest.mark.parametrize("name, spec", cluster_specs(), ids=["rayjob", "raycluster"])
+def test_pods_gpus_image_user_and_storage(name: str, spec: dict[str, Any]) -> None:
+    head_t = spec["headGroupSpec"]["template"]
+    worker_ts = [g["template"] for g in spec["workerGroupSpecs"]]
+    head = ray_container(head_t)
+    assert gpus(head) == 0 and spec["headGroupSpec"]["rayStartParams"].get("num-gpus") == "0", name
+    images = {ray_container(t)["image"] for t in [head_t, *worker_ts]}
+    assert len(images) == 1, images  # one image for head and workers (docker/Dockerfile)
+    dockerfile = (ROOT / "docker" / "Dockerfile").read_text()
+    uid = int(re.search(r"^ARG RAY_UID=(\d+)$", dockerfile, re.MULTILINE).group(1))
+    claim = one("storage.yaml", "PersistentVolumeClaim")["metadata"]["name"]
+    for t in [head_t, *worker_ts]:
+        c = ray_container(t)
+        sc = t["spec"]["securityContext"]
+        assert sc["runAsNonRoot"] is True and sc["runAsUser"] == uid and sc["fsGroup"] == uid, name
+        limits = c["resources"]["limits"]
+        assert "cpu" in limits and "memory" in limits, name
+        requests = c["resources"].get("requests", {})
+        assert requests.get(GPU, limits.get(GPU)) == limits.get(GPU), name  # Kubernetes wants them equal
+        volumes = {v["name"]: v for v in t["spec"]["volumes"]}
+        mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
+        assert volumes[mounts["/mnt/shared"]]["persistentVolumeClaim"]["claimName"] == claim, name
+        assert volumes[mounts["/dev/shm"]]["emptyDir"]["medium"] == "Memory", name
+    for t in worker_ts:
+        assert gpus(ray_container(t)) > 0, name
+    env = {e["name"]: e for e in head.get("env", [])}
+    ref = env["WANDB_API_KEY"]["valueFrom"]["secretKeyRef"]
+    assert ref["name"] and ref["key"], ref
+
+
+def test_rayjob_entrypoint_runs_an_existing_recipe_that_fits_the_cluster() -> None:
+    job = one("rayjob.yaml", "RayJob")
+    entrypoint = job["spec"]["entrypoint"]
+    recipes = re.findall(r"\+recipe=(\S+)", entrypoint)
+    assert recipes == ["glm_moe"], entrypoint
+    assert (ROOT / "recipes" / f"{recipes[0]}.yaml").is_file()
+    c = compose_entrypoint(entrypoint)  # raises ConfigError on a bad override
+    assert c.run.name == "glm_moe"
+    assert c.run.dir.startswith("/mnt/shared/"), c.run.dir  # the run folder lands on the shared volume
+
+    spec = job["spec"]["rayClusterSpec"]
+    groups = [(g["replicas"], ray_container(g["template"])) for g in spec["workerGroupSpecs"]]
+    cluster_gpus = sum(n * gpus(cont) for n, cont in groups)
+    cluster_cpus = sum(n * int(cont["resources"]["limits"]["cpu"]) for n, cont in groups)
+    t, r = c.trainer, c.rollout
+    need_gpus = t.num_ranks * t.gpus_per_rank + r.num_actors * r.gpus_per_actor
+    need_cpus = t.num_ranks * t.cpus_per_rank + r.num_actors * r.cpus_per_actor
+    assert cluster_gpus == c.cluster.num_gpus == 16, (cluster_gpus, c.cluster.num_gpus)
+    assert need_gpus <= cluster_gpus and need_cpus <= cluster_cpus
+    assert [(n, gpus(cont)) for n, cont in groups] == [(2, 8)]  # 2 workers x 8 GPUs
+    per_node = max(gpus(cont) for _, cont in groups)
+    assert c.trainer.num_ranks * c.trainer.gpus_per_rank <= per_node  # the trainer group fits one node
+
+
+def test_raycluster_matches_the_rayjob_cluster() -> None:
+    job_spec = one("rayjob.yaml", "RayJob")["spec"]["rayClusterSpec"]
+    cluster_spec = one("raycluster.yaml", "RayCluster")["spec"]
+    for a, b in zip(job_spec["workerGroupSpecs"], cluster_spec["workerGroupSpecs"], strict=True):
+        assert ray_container(a["template"])["resources"] == ray_container(b["template"])["resources"]
+        assert a["replicas"] == b["replicas"] and a["maxReplicas"] == b["maxReplicas"]
+
+
+def test_shared_volume_is_read_write_many() -> None:
+    pvc = one("storage.yaml", "PersistentVolumeClaim")
+    assert pvc["apiVersion"] == "v1"
+    assert "ReadWriteMany" in pvc["spec"]["accessModes"]
+    assert re.fullmatch(r"\d+(Gi|Ti)", pvc["spec"]["resources"]["requests"]["storage"])
+    for name in ("rayjob.yaml", "raycluster.yaml"):
+        assert not [d for d in load(name) if d.get("kind") == "PersistentVolumeClaim"], \
+            f"{name} must not own the PVC: deleting it would delete the checkpoints"
+
+
+def pod_templates() -> list[tuple[str, dict[str, Any]]]:
+    out = []
+    for name, spec in cluster_specs():
+        out.append((f"{name}:head", spec["headGroupSpec"]["template"]))
+        out += [(f"{name}:{g['groupName']}", g["template"]) for g in spec["workerGroupSpecs"]]
+    return out
+
+
+@pytest.mark.parametrize("where, template", pod_templates(), ids=[w for w, _ in pod_templates()])
+def test_pod_templates_pass_kubernetes_schema(where: str, template: dict[str, Any]) -> None:
+    kv = pytest.importorskip("kubernetes_validate", reason="kubernetes-validate not installed (pip install "
+                             "kubernetes-validate) to check pod templates against Kubernetes' schema")
+    kv.validate({"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": "t"}, "template": template},
+                K8S_VERSION, strict=True)
+
+
+def test_pvc_passes_kubernetes_schema() -> None:
+    kv = pytest.importorskip("kubernetes_validate", reason="kubernetes-validate not installed")
+    kv.validate(one("storage.yaml", "PersistentVolumeClaim"), K8S_VERSION, strict=True)
+
+
+def test_kubernetes_schema_check_catches_a_typo() -> None:
+    kv = pytest.importorskip("kubernetes_validate", reason="kubernetes-validate not installed")
+    template = pod_templates()[0][1]
+    container = {**ray_container(template), "resorces": {}}
+    bad = {**template, "spec": {**template["spec"], "containers": [container]}}
+    with pytest.raises(kv.ValidationError):
+        kv.validate({"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": "t"}, "template": bad},
+                    K8S_VERSION, strict=True)
