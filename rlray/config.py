@@ -83,7 +83,7 @@ class AlgoConfig:
     eps_low: float = 0.2
     eps_high: float = 0.2
     filter_zero_advantage: bool = False  # DAPO dynamic sampling: drop groups whose rewards are all equal
-    # the rest is read by rlray.algo (see rlray/algo/README.md); check_algo() validates it
+    # the rest is read by rlray.algo (see the README's "RL objectives" table); check_algo() validates it
     aggregation: str = "auto"  # auto (the loss's paper) | token | sequence | constant (Dr.GRPO)
     baseline: str = "mean"  # mean: group mean; rloo: leave-one-out mean
     max_tokens: int = II("rollout.max_tokens")  # L_max of Dr.GRPO's normaliser and DAPO's overlong penalty
@@ -123,14 +123,62 @@ class RLConfig:
 
 @dataclass
 class EvalConfig:
-    num_examples: int = 128
-    temperature: float = 0.0
+    """Held-out evaluation of every training environment's eval split (rlray.envs.runner)."""
+
+    num_examples: int = 128  # per environment (fewer when its eval split is smaller)
+    temperature: float = 0.0  # 0: greedy
+    num_samples: int = 1  # completions per example (n of pass@k)
+    pass_k: list[int] = field(default_factory=lambda: [1])  # k values of pass@k, each <= num_samples
+    pass_threshold: float = 1.0  # a sample passes when its reward >= this
+    every_n_steps: int = II("rl.eval_every")  # during RL; 0: only before and after
+    max_tokens: int = II("rollout.max_tokens")  # per model turn
+
+    def __post_init__(self) -> None:
+        if self.num_examples < 1 or self.num_samples < 1:
+            raise ConfigError("eval.num_examples and eval.num_samples must be >= 1")
+        bad = [k for k in self.pass_k if not 1 <= k <= self.num_samples]
+        if bad:
+            raise ConfigError(f"eval.pass_k={list(self.pass_k)}: each k must be in [1, eval.num_samples="
+                              f"{self.num_samples}]; raise eval.num_samples or drop {bad}")
+
+
+@dataclass
+class EnvSpec:
+    """One environment of a mixture."""
+
+    id: str = "reverse_text"
+    args: dict[str, Any] = field(default_factory=dict)
+    weight: float = 1.0
 
 
 @dataclass
 class EnvConfig:
+    """Which verifiers environments to train and evaluate on, and how rollouts reach them.
+
+    `id` is a built-in environment (reverse_text, arithmetic, calculator) or any installed
+    verifiers environment module, loaded as `vf.load_environment(id, **args)`. A non-empty
+    `mix` replaces id/args with several environments, each group drawn by `weight`.
+    """
+
     id: str = "reverse_text"
     args: dict[str, Any] = field(default_factory=dict)
+    mix: list[EnvSpec] = field(default_factory=list)
+    python_path: list[str] = field(default_factory=list)  # folders put on sys.path (driver and actors) first
+    fast_path: bool = True  # plain single-turn envs generate through the engine directly instead of HTTP
+    rollout_timeout_s: float = 300.0  # a rollout (every turn) running longer gets reward 0 and an error
+    tool_timeout_s: float = 30.0  # a tool call running longer ends its rollout with reward 0 and an error
+    server_host: str = "127.0.0.1"  # the rollout actors' OpenAI endpoint; "node": the node's address
+    server_port: int = 0  # 0: any free port
+    chat_template: Optional[str] = None  # None: the tokenizer's own, else rlray.server.PLAIN_CHAT_TEMPLATE
+    tool_call_parser: str = "auto"  # vLLM's --tool-call-parser; auto: "rlray" with the plain template, else none
+
+    def __post_init__(self) -> None:
+        if self.rollout_timeout_s <= 0 or self.tool_timeout_s <= 0:
+            raise ConfigError("env.rollout_timeout_s and env.tool_timeout_s must be > 0")
+        for spec in self.mix:
+            weight = spec["weight"] if isinstance(spec, dict) else spec.weight
+            if weight <= 0:
+                raise ConfigError(f"env.mix: every weight must be > 0, got {weight}")
 
 
 @dataclass

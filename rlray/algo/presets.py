@@ -5,7 +5,7 @@ for every key of `LOSSES`; `CORRECTION_PRESETS` adds an off-policy correction on
 Scale-dependent values stay out (DAPO's overlong buffer is 4096 of 20480 tokens:
 set `algo.overlong_buffer` per recipe), and so does GRPO's KL to a reference model
 (the paper's beta = 0.04: `algo.kl_coef=0.04`), which loads a second model.
-See rlray/algo/README.md for the table with the papers.
+See the README's "RL objectives" section for the table with the papers.
 """
 
 from __future__ import annotations
