@@ -37,7 +37,7 @@ def connect(cfg: ClusterConfig) -> None:
     if address:
         ray.init(address=address, runtime_env=env, log_to_driver=True)
         return
-    ray.init(num_cpus=cfg.num_cpus, num_gpus=cfg.num_gpus, include_dashboard=True,
+    ray.init(address="local", num_cpus=cfg.num_cpus, num_gpus=cfg.num_gpus, include_dashboard=True,
              dashboard_host=cfg.dashboard_host, _node_ip_address="127.0.0.1", runtime_env=env,
              log_to_driver=True)
 

@@ -1,0 +1,81 @@
+"""`ray job submit` onto a `ray start --head` cluster runs the tiny recipe to SUCCEEDED."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+BIN = Path(sys.executable).parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def stop_cluster(temp_dir: str) -> None:
+    """Stop only this cluster's processes (`ray stop` would also stop the session's cluster)."""
+    import psutil
+
+    procs = [p for p in psutil.process_iter(["cmdline"]) if temp_dir in " ".join(p.info["cmdline"] or [])]
+    for p in procs:
+        p.terminate()
+    _, alive = psutil.wait_procs(procs, timeout=15)
+    for p in alive:
+        p.kill()
+
+
+@pytest.fixture
+def head_node():
+    temp_dir = tempfile.mkdtemp(prefix="rlray-job-", dir="/tmp")  # short: unix socket paths are limited
+    env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+    env.pop("RAY_ADDRESS", None)
+    dash = free_port()
+    start = [str(BIN / "ray"), "start", "--head", "--node-ip-address=127.0.0.1", f"--port={free_port()}",
+             f"--dashboard-port={dash}", "--dashboard-host=127.0.0.1", "--num-cpus=8",
+             f"--temp-dir={temp_dir}", "--disable-usage-stats"]
+    try:
+        subprocess.run(start, env=env, check=True, capture_output=True, timeout=600)
+        yield f"http://127.0.0.1:{dash}", env
+    finally:
+        stop_cluster(temp_dir)
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def test_job_submit_runs_the_tiny_recipe(head_node, tmp_path) -> None:
+    address, env = head_node
+    run_dir = tmp_path / "run"
+    entry = [sys.executable, "-m", "rlray.launch", f"run.dir={run_dir}", "logging.wandb=disabled",
+             "model.num_layers=2", "sft.max_steps=2", "sft.eval_every=2", "rl.steps=3", "rl.batch_size=32",
+             "eval.num_examples=8", "checkpoint.every=0", "checkpoint.export_hf=false"]
+    submit = [str(BIN / "ray"), "job", "submit", "--address", address, "--no-wait", "--", *entry]
+    for _ in range(30):  # the job agent comes up a little after `ray start` returns
+        out = subprocess.run(submit, env=env, capture_output=True, text=True, timeout=120)
+        if out.returncode == 0 or "No available agent" not in out.stderr:
+            break
+        time.sleep(2)
+    assert out.returncode == 0, out.stderr[-3000:]
+    job_id = next(w for w in out.stdout.split() if w.startswith("raysubmit_"))
+    status = ""
+    for _ in range(120):
+        status = subprocess.run([str(BIN / "ray"), "job", "status", "--address", address, job_id], env=env,
+                                capture_output=True, text=True, timeout=60).stdout
+        if any(s in status for s in ("SUCCEEDED", "FAILED", "STOPPED")):
+            break
+        time.sleep(5)
+    logs = subprocess.run([str(BIN / "ray"), "job", "logs", "--address", address, job_id], env=env,
+                          capture_output=True, text=True, timeout=60).stdout
+    assert "SUCCEEDED" in status, logs[-3000:]
+    assert "held-out greedy reward after RL" in logs
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert 0.0 <= summary["rl_end_reward"] <= 1.0
