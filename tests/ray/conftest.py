@@ -1,27 +1,41 @@
-"""One local Ray cluster for the whole test session (started on first use)."""
+"""One local Ray cluster for the whole test session (started on first use), and tiny configs."""
 
 from __future__ import annotations
 
-from typing import Iterator
+import json
+from typing import Any, Iterator
 
 import pytest
 
-from rlray.config import ClusterConfig, Config
+from rlray.config import ClusterConfig, Config, register, to_config
+
+BASE = ["logging.wandb=disabled", "model.num_layers=2", "sft.max_steps=4", "sft.eval_every=2",
+        "sft.batch_size=32", "rl.steps=4", "rl.batch_size=32", "rl.eval_every=0", "eval.num_examples=16",
+        "checkpoint.every=0", "checkpoint.export_hf=false"]
 
 
-def tiny_config(tmp_path, **sections) -> Config:
-    """The CPU default with short stages, a 2-layer model and no wandb."""
-    c = Config()
-    c.run.dir = str(tmp_path / "run")
-    c.logging.wandb = "disabled"
-    c.model.num_layers = 2
-    c.sft.max_steps, c.sft.eval_every, c.sft.batch_size = 4, 2, 32
-    c.rl.steps, c.rl.batch_size, c.rl.eval_every = 4, 32, 0
-    c.eval.num_examples = 16
-    for name, values in sections.items():
-        for key, value in values.items():
-            setattr(getattr(c, name), key, value)
-    return c
+def _value(v: Any) -> str:
+    if isinstance(v, str):
+        return v
+    return json.dumps(v)  # bools, numbers, lists and dicts in a form Hydra's override grammar reads
+
+
+def tiny_config(tmp_path, *overrides: str, **sections: dict[str, Any]) -> Config:
+    """The CPU default composed like `python -m rlray.launch` does, with short stages and a 2-layer model.
+
+    Extra settings come as Hydra overrides (`"rl.steps=6"`) or as sections (`rl={"steps": 6}`;
+    `async_` for the `async` section).
+    """
+    from hydra import compose, initialize_config_dir
+
+    from rlray.launch import CONF_DIR
+
+    extra = [f"{name.rstrip('_')}.{key}={_value(v)}" for name, values in sections.items()
+             for key, v in values.items()]
+    register()
+    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
+        cfg = compose("config", overrides=[f"run.dir={tmp_path / 'run'}", *BASE, *overrides, *extra])
+    return to_config(cfg)
 
 
 @pytest.fixture(scope="session")

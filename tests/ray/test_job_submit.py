@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -43,6 +45,10 @@ def head_node():
     dash = free_port()
     start = [str(BIN / "ray"), "start", "--head", "--node-ip-address=127.0.0.1", f"--port={free_port()}",
              f"--dashboard-port={dash}", "--dashboard-host=127.0.0.1", "--num-cpus=8",
+             # every port of its own: the test session's cluster is up on the defaults
+             *(f"--{name}={free_port()}" for name in ("dashboard-agent-listen-port", "dashboard-agent-grpc-port",
+                                                      "metrics-export-port", "runtime-env-agent-port",
+                                                      "ray-client-server-port")),
              f"--temp-dir={temp_dir}", "--disable-usage-stats"]
     try:
         subprocess.run(start, env=env, check=True, capture_output=True, timeout=600)
@@ -58,24 +64,27 @@ def test_job_submit_runs_the_tiny_recipe(head_node, tmp_path) -> None:
     entry = [sys.executable, "-m", "rlray.launch", f"run.dir={run_dir}", "logging.wandb=disabled",
              "model.num_layers=2", "sft.max_steps=2", "sft.eval_every=2", "rl.steps=3", "rl.batch_size=32",
              "eval.num_examples=8", "checkpoint.every=0", "checkpoint.export_hf=false"]
-    submit = [str(BIN / "ray"), "job", "submit", "--address", address, "--no-wait", "--", *entry]
+    job_id = f"rlray-test-{uuid.uuid4().hex[:8]}"
+    submit = [str(BIN / "ray"), "job", "submit", "--address", address, "--submission-id", job_id, "--no-wait",
+              "--", *entry]
     for _ in range(30):  # the job agent comes up a little after `ray start` returns
         out = subprocess.run(submit, env=env, capture_output=True, text=True, timeout=120)
         if out.returncode == 0 or "No available agent" not in out.stderr:
             break
         time.sleep(2)
     assert out.returncode == 0, out.stderr[-3000:]
-    job_id = next(w for w in out.stdout.split() if w.startswith("raysubmit_"))
     status = ""
     for _ in range(120):
-        status = subprocess.run([str(BIN / "ray"), "job", "status", "--address", address, job_id], env=env,
-                                capture_output=True, text=True, timeout=60).stdout
-        if any(s in status for s in ("SUCCEEDED", "FAILED", "STOPPED")):
+        out = subprocess.run([str(BIN / "ray"), "job", "status", "--address", address, job_id], env=env,
+                             capture_output=True, text=True, timeout=60)
+        ended = re.search(rf"Job '{job_id}' (succeeded|failed|was stopped)", out.stdout + out.stderr)
+        if ended:
+            status = ended.group(1)
             break
         time.sleep(5)
     logs = subprocess.run([str(BIN / "ray"), "job", "logs", "--address", address, job_id], env=env,
                           capture_output=True, text=True, timeout=60).stdout
-    assert "SUCCEEDED" in status, logs[-3000:]
+    assert status == "succeeded", logs[-3000:]
     assert "held-out greedy reward after RL" in logs
     summary = json.loads((run_dir / "summary.json").read_text())
     assert 0.0 <= summary["rl_end_reward"] <= 1.0
