@@ -169,7 +169,7 @@ class EnvConfig:
     tool_timeout_s: float = 30.0  # a tool call running longer ends its rollout with reward 0 and an error
     server_host: str = "127.0.0.1"  # the rollout actors' OpenAI endpoint; "node": the node's address
     server_port: int = 0  # 0: any free port
-    chat_template: Optional[str] = None  # None: the tokenizer's own, else rlray.server.PLAIN_CHAT_TEMPLATE
+    chat_template: str | None = None  # None: the tokenizer's own, else rlray.server.PLAIN_CHAT_TEMPLATE
     tool_call_parser: str = "auto"  # vLLM's --tool-call-parser; auto: "rlray" with the plain template, else none
 
     def __post_init__(self) -> None:

@@ -78,14 +78,34 @@ class Controller:
                 "sync_gb_per_s": sent["sync_bytes"] / max(sent["sync_seconds"], 1e-9) / 1e9}
 
     def evaluate(self, tag: str) -> float:
-        n = self.c.eval.num_examples
-        outs = ray.get([r.evaluate.remote("eval", n, self.c.eval.temperature) for r in self.h.rollouts])
-        rewards = [x for o in outs for x in o["rewards"]]
-        with (self.run_dir / "eval_samples.jsonl").open("a") as f:
-            for o in outs:
-                for s in o["samples"]:
-                    f.write(json.dumps({"tag": tag, **s}) + "\n")
-        return float(np.mean(rewards))
+        """Every environment's eval split on the rollout actors (`eval.num_samples` per example).
+
+        Appends one record per example (prompt, answer, completions, rewards, errors) to
+        `eval_results.jsonl`, logs an `eval` record (mean reward, pass@k, per environment when
+        several) to the metrics, and returns the mean reward over every sample.
+        """
+        from rlray.envs.runner import summarize
+
+        e = self.c.eval
+        max_tokens = e.max_tokens if isinstance(e.max_tokens, int) else self.c.rollout.max_tokens
+        outs = ray.get([r.evaluate.remote(e.num_examples, e.num_samples, e.temperature, max_tokens)
+                        for r in self.h.rollouts])
+        records = sorted((rec for out in outs for rec in out), key=lambda rec: (rec["env"], rec["example"]))
+        with (self.run_dir / "eval_results.jsonl").open("a") as f:
+            for rec in records:
+                f.write(json.dumps({"tag": tag, **rec}) + "\n")
+        overall = summarize(records, e.pass_k, e.pass_threshold)
+        values: dict[str, Any] = {"tag": tag, "eval_reward": overall["reward_mean"],
+                                  **{k: v for k, v in overall.items() if k != "reward_mean"}}
+        envs = sorted({rec["env"] for rec in records})
+        if len(envs) > 1:
+            for env in envs:
+                per_env = summarize([rec for rec in records if rec["env"] == env], e.pass_k, e.pass_threshold)
+                values.update({f"{env}/{k}": v for k, v in per_env.items()})
+        self.evals = getattr(self, "evals", 0) + 1
+        self.metrics.log("eval", self.evals - 1, values)
+        self.last_eval = values
+        return overall["reward_mean"]
 
     # ---- stages -------------------------------------------------------------------
     def _sft_batch(self, step: int) -> list[list]:
@@ -172,7 +192,8 @@ class Controller:
             if (step + 1) % c.rl.sync_every == 0:
                 self.version = step + 1
                 values.update(self.sync(self.version))
-            if c.rl.eval_every and (step + 1) % c.rl.eval_every == 0 and step + 1 < c.rl.steps:
+            every = c.eval.every_n_steps if isinstance(c.eval.every_n_steps, int) else c.rl.eval_every
+            if every and (step + 1) % every == 0 and step + 1 < c.rl.steps:
                 values["eval_reward"] = self.evaluate(f"rl-{step + 1}")
             values["step_seconds"] = time.perf_counter() - t0
             values["tokens_per_s"] = values.get("completion_tokens", 0) / values["step_seconds"]
@@ -193,9 +214,15 @@ class Controller:
               flush=True)
 
     def eval_stage(self) -> None:
+        """Evaluation as a stage (`stages=[eval]`, or after training): the current policy on
+        every environment's eval split; the summary gets the mean reward and pass@k."""
         self.sync(self.version)
         self.summary["eval_reward"] = reward = self.evaluate("eval")
-        print(f"held-out reward: {reward:.3f}", flush=True)
+        passes = {k: v for k, v in self.last_eval.items() if k.startswith("pass@")}
+        self.summary["eval"] = {k: v for k, v in self.last_eval.items() if k != "tag"}
+        shown = "  ".join(f"{k} {v:.3f}" for k, v in passes.items())
+        print(f"held-out reward: {reward:.3f}  {shown}  (per example: {self.run_dir / 'eval_results.jsonl'})",
+              flush=True)
 
     def close(self) -> None:
         if hasattr(self, "h"):

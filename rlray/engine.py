@@ -123,11 +123,14 @@ class Engine:
         args = (host, port, rank, world_size, backend, timeout_s, plan_to_wire(plan))
         return await self.llm.collective_rpc("rlray_init_weight_group", args=args)
 
-    async def update_weights(self, on_loaded: Callable[[], None] | None = None) -> float:
+    async def update_weights(self, on_loaded: Callable[[], None] | None = None,
+                             version: int | None = None) -> float:
         """Receive one broadcast of every planned weight; in-flight requests pause, then resume.
 
         `on_loaded` runs after the new weights are in and before generation resumes: bump the
         policy version there so that every token sampled with the new weights carries it.
+        `version` also labels the engine's weights (vLLM's weight-version spans), so requests
+        served over HTTP learn which version sampled each of their tokens (rlray.server).
         Returns the seconds the engine was paused.
         """
         start = time.perf_counter()
@@ -136,6 +139,8 @@ class Engine:
             await self.llm.collective_rpc("rlray_receive_weights")
             # KV computed with the old weights must not be reused: running requests are recomputed.
             await self.llm.reset_prefix_cache(reset_running_requests=True)
+            if version is not None:
+                await self.llm.update_weight_version(str(version))
             if on_loaded is not None:
                 on_loaded()
         finally:

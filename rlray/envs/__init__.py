@@ -1,30 +1,70 @@
-"""Environments: where prompts come from and how completions are rewarded.
+"""Environments are verifiers environments, loaded by id.
 
-Contract: an environment has an `id`, `example(split, index) -> Example` (deterministic
-for a given split and index; split is "train" or "eval") and
-`score(completion_text, example) -> (reward, parts)`. `load_env(id, args)` finds a
-built-in environment by id.
+Contract:
+- `load_env(id, args, python_path=()) -> Env` puts `python_path` on `sys.path`, then calls
+  `vf.load_environment(module, **args)`: a built-in id (`BUILTIN`: reverse_text,
+  arithmetic, calculator) names the module `rlray.envs.<id>`, any other id an installed
+  environment module (dashes read as underscores), exactly as verifiers loads it.
+  verifiers' own SIGINT/SIGTERM handlers are not installed (they would replace Ray's).
+- `load_envs(cfg) -> list[(Env, weight)]`: `env.mix` when set, else `env.id` with weight 1.
+- rlray.envs.base.Env is the handle (rows, examples); rlray.envs.runner runs rollouts.
 """
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+import contextlib
+import signal
+import sys
+from collections.abc import Iterator, Sequence
+from typing import Any
 
-from rlray.envs.base import Example
+from rlray.envs.base import Env, Example
+
+BUILTIN = ("reverse_text", "arithmetic", "calculator")
+
+__all__ = ["BUILTIN", "Env", "Example", "load_env", "load_envs", "module_name"]
 
 
-class Env(Protocol):
-    id: str
-
-    def example(self, split: str, index: int) -> Example: ...
-
-    def score(self, completion: str, example: Example) -> tuple[float, dict[str, float]]: ...
+def module_name(env_id: str) -> str:
+    return f"rlray.envs.{env_id}" if env_id in BUILTIN else env_id
 
 
-def load_env(env_id: str, args: dict[str, Any] | None = None) -> Env:
-    from rlray.envs.reverse_text import ReverseText
+@contextlib.contextmanager
+def _no_signal_handlers() -> Iterator[None]:
+    original = signal.signal
+    signal.signal = lambda *a, **k: None  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        signal.signal = original  # type: ignore[assignment]
 
-    builtin = {"reverse_text": ReverseText}
-    if env_id not in builtin:
-        raise ValueError(f"env.id='{env_id}' is not a known environment; built-in: {sorted(builtin)}")
-    return builtin[env_id](**(args or {}))
+
+def add_python_path(paths: Sequence[str]) -> None:
+    for p in reversed(list(paths)):
+        if p not in sys.path:
+            sys.path.insert(0, p)
+
+
+def load_env(env_id: str, args: dict[str, Any] | None = None, python_path: Sequence[str] = ()) -> Env:
+    add_python_path(python_path)
+    import verifiers as vf
+
+    vf.setup_logging("WARNING")
+    with _no_signal_handlers():
+        try:
+            vf_env = vf.load_environment(module_name(env_id), **dict(args or {}))
+        except ValueError as e:
+            raise ValueError(f"env.id='{env_id}': {e} Built-in: {list(BUILTIN)}; or put the module's folder "
+                             "in env.python_path") from e
+    vf_env.env_id = env_id
+    return Env(env_id, vf_env)
+
+
+def load_envs(cfg: Any) -> list[tuple[Env, float]]:
+    specs = [(s.id, s.args, s.weight) for s in cfg.mix] if cfg.mix else [(cfg.id, cfg.args, 1.0)]
+    out = []
+    for env_id, args, weight in specs:
+        if weight <= 0:
+            raise ValueError(f"env.mix: weight of '{env_id}' is {weight}; weights must be > 0")
+        out.append((load_env(env_id, args, cfg.python_path), float(weight)))
+    return out

@@ -1,8 +1,22 @@
-"""The example record shared by environments."""
+"""rlray's handle on one verifiers environment, and the example record.
+
+Contract:
+- `Env(id, vf_env)` wraps a loaded `verifiers.Environment`. `row(split, index)` is the
+  dataset row (a verifiers `RolloutInput`: prompt messages, answer, info, example_id) of
+  split "train" (the env's dataset) or "eval" (its eval dataset, else its dataset), index
+  taken modulo the split's size; `num_examples(split)` is that size.
+- `example(split, index) -> Example`: the same row as text, for SFT and logs: `prompt` is
+  every prompt message's text joined (what the plain chat template renders after bos),
+  `answer` the row's answer.
+- `fast_path_ok` is True for plain single-turn environments (no tools, no overridden
+  rollout hooks): their rollouts can skip HTTP and sample through the engine directly.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
+from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -10,3 +24,68 @@ class Example:
     index: int
     prompt: str
     answer: str
+    row: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+
+def message_text(message: Any) -> str:
+    content = message.get("content") if isinstance(message, dict) else getattr(message, "content", None)
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(p.get("text", "") if isinstance(p, dict) else getattr(p, "text", "") or "" for p in content)
+    return ""
+
+
+def prompt_text(prompt: Any) -> str:
+    return prompt if isinstance(prompt, str) else "".join(message_text(m) for m in prompt or [])
+
+
+class Env:
+    def __init__(self, env_id: str, vf_env: Any) -> None:
+        self.id = env_id
+        self.vf = vf_env
+        self._data: dict[str, Any] = {}
+
+    def _dataset(self, split: str) -> Any:
+        if split not in ("train", "eval"):
+            raise ValueError(f"split='{split}'; environments have 'train' and 'eval'")
+        if split not in self._data:
+            ds = None
+            if split == "eval":
+                ds = self.vf.build_eval_dataset()
+            if ds is None:
+                ds = self.vf.build_dataset()
+            if ds is None:
+                ds = self.vf.build_eval_dataset()
+            if ds is None or len(ds) == 0:
+                raise ValueError(f"environment '{self.id}' has no examples for split '{split}'")
+            self._data[split] = ds
+        return self._data[split]
+
+    def num_examples(self, split: str) -> int:
+        return len(self._dataset(split))
+
+    def row(self, split: str, index: int) -> dict[str, Any]:
+        ds = self._dataset(split)
+        row = dict(ds[index % len(ds)])
+        row.setdefault("example_id", index % len(ds))
+        return row
+
+    def example(self, split: str, index: int) -> Example:
+        row = self.row(split, index)
+        answer = row.get("answer", "")
+        return Example(index=index, prompt=prompt_text(row.get("prompt")),
+                       answer=answer if isinstance(answer, str) else str(answer), row=row)
+
+    @functools.cached_property
+    def fast_path_ok(self) -> bool:
+        import verifiers as vf
+        from verifiers.envs.multiturn_env import MultiTurnEnv
+
+        env = self.vf
+        cls = type(env)
+        return (isinstance(env, vf.SingleTurnEnv) and not env.tool_defs
+                and cls.setup_state is MultiTurnEnv.setup_state
+                and cls.get_prompt_messages is MultiTurnEnv.get_prompt_messages
+                and cls.add_model_response is MultiTurnEnv.add_model_response
+                and cls.render_completion in (MultiTurnEnv.render_completion, vf.SingleTurnEnv.render_completion))

@@ -1,0 +1,180 @@
+"""trainer: tokens/s of rlray's `TrainerActor.train_step` against a bare FSDP2 loop, same model and batch.
+
+Both run in the same `--ranks` gloo processes (torch.multiprocessing, no Ray), on the same
+packed RL batch (the default recipe's shape: `--batch` completions of reverse_text prompts,
+completions of 4-16 tokens, packed by `rlray.data.packing.pack` as the buffer does), one
+torch thread per rank as Ray gives each trainer actor. The bare loop is what any FSDP2 user
+would write: `fully_shard` per decoder layer and the root, AdamW, tempered log-softmax,
+advantage-weighted token sum over the global token count, backward, clip, step. Timed blocks
+of steps alternate between the two (rlray, bare, bare, rlray, ...) so load changes hit both
+alike; a step is timed on rank 0 between barriers. tokens/s counts real (unpadded) tokens of the
+whole step over every rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from rlray.bench.common import Column, Report, free_port, median, ratio
+from rlray.config import ModelConfig
+
+MODELS: dict[str, dict[str, int]] = {
+    "tiny2": {"num_layers": 2},  # the test suite's 2-layer tiny model
+    "tiny": {},  # the default recipe's model (~1M parameters)
+    "small": {"hidden_size": 512, "num_layers": 8, "num_heads": 8, "num_kv_heads": 4, "head_dim": 64,
+                  "intermediate_size": 1536},  # ~26M parameters
+}
+QUICK = {"models": ["tiny2"], "batch": 32, "rounds": 3, "steps": 1, "warmup": 1}
+FULL = {"models": ["tiny", "small"], "batch": 128, "rounds": 12, "steps": 1, "warmup": 2}
+TEMPERATURE = 0.7
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--models", nargs="+", choices=sorted(MODELS), help=f"model presets (full: {FULL['models']})")
+    p.add_argument("--ranks", type=int, default=2, help="FSDP2 ranks (gloo processes); the default recipe has 2")
+    p.add_argument("--batch", type=int, help="completions per step (the default recipe: 128)")
+    p.add_argument("--rounds", type=int, help="rounds; each times a block of each path, in alternating order")
+    p.add_argument("--steps", type=int, help="timed steps per block (default 1)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per rank (Ray gives actors 1)")
+
+
+def rl_batch(num_ranks: int, n: int, pad_id: int, seed: int = 0) -> list[list[Any]]:
+    """`n` reverse_text completions with random tokens, advantages and logprobs, packed per rank."""
+    from rlray.data.packing import Sample, pack
+    from rlray.data.tokenizer import char_tokenizer, encode_prompt
+    from rlray.envs.reverse_text import ReverseText
+
+    tok, env = char_tokenizer(), ReverseText()
+    rng = np.random.default_rng(seed)
+    samples = []
+    for i in range(n):
+        prompt = np.asarray(encode_prompt(tok, env.example("train", i // 8).prompt))
+        completion = rng.integers(4, len(tok), size=int(rng.integers(4, 17)))
+        samples.append(Sample(prompt, completion, np.ones(len(completion), np.float32), float(rng.normal()),
+                              np.full(len(completion), -2.0, np.float32)))
+    return pack(samples, num_ranks, micro_batch_tokens=8192, pad_id=pad_id)
+
+
+class BareLoop:
+    """A plain FSDP2 policy-gradient step, with nothing of rlray but the model files."""
+
+    def __init__(self, path: str, world: int, lr: float) -> None:
+        import torch
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        from transformers import AutoModelForCausalLM
+
+        self.torch = torch
+        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        mesh = init_device_mesh("cpu", (world,))
+        for layer in self.model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(self.model, mesh=mesh)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=0.0)
+
+    def step(self, micro_batches: list[Any]) -> float:
+        torch = self.torch
+        self.model.train()
+        for mb in micro_batches:
+            ids = torch.from_numpy(mb.input_ids)
+            mask, adv = torch.from_numpy(mb.loss_mask), torch.from_numpy(mb.advantages)
+            logits = self.model(input_ids=ids, attention_mask=torch.from_numpy(mb.attention_mask)).logits.float()
+            logp = torch.log_softmax(logits[:, :-1] / TEMPERATURE, dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+            loss = -(logp * adv[:, 1:] * mask[:, 1:]).sum() / mb.num_loss_tokens_global
+            loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        return float(loss)
+
+
+def _worker(rank: int, world: int, port: int, model_name: str, opts: dict[str, Any], out: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from rlray.config import AlgoConfig, TrainerConfig
+    from rlray.models.tiny import model_path
+    from rlray.trainer import TrainerActor
+
+    torch.set_num_threads(opts["threads"])
+    cfg = ModelConfig(**MODELS[model_name])
+    actor = TrainerActor(rank, world, f"127.0.0.1:{port}", cfg, TrainerConfig(num_ranks=world),
+                         AlgoConfig(aggregation="token"), "gloo", TEMPERATURE)
+    actor.setup()
+    bare = BareLoop(model_path(cfg), world, lr=TrainerConfig().lr)
+    params = sum(p.numel() for p in bare.model.parameters())  # DTensor.numel() is the full tensor's
+    batch = rl_batch(world, opts["batch"], pad_id=0)
+    mine = batch[rank]
+    tokens = int(sum(mb.num_tokens for per_rank in batch for mb in per_rank))
+    padded = int(sum(mb.input_ids.size for per_rank in batch for mb in per_rank))
+    paths = {"rlray": lambda: actor.train_step(mine), "bare": lambda: bare.step(mine)}
+    times: dict[str, list[float]] = {k: [] for k in paths}
+    for name, step in paths.items():
+        for _ in range(opts["warmup"]):
+            step()
+    for r in range(opts["rounds"]):  # rlray, bare; bare, rlray; ...: neither always goes first
+        for name, step in list(paths.items())[:: 1 if r % 2 == 0 else -1]:
+            for _ in range(opts["steps"]):
+                dist.barrier()
+                t0 = time.perf_counter()
+                step()
+                dist.barrier()
+                times[name].append(time.perf_counter() - t0)
+    if rank == 0:
+        Path(out).write_text(json.dumps({"times": times, "tokens": tokens, "padded_tokens": padded,
+                                         "params": params, "threads": torch.get_num_threads()}))
+    dist.barrier()
+    dist.destroy_process_group()
+    os._exit(0)  # FSDP2 on gloo can abort in interpreter teardown after all work is done
+
+
+def measure(model_name: str, world: int, opts: dict[str, Any]) -> dict[str, Any]:
+    import torch.multiprocessing as mp
+
+    from rlray.models.tiny import model_path
+
+    model_path(ModelConfig(**MODELS[model_name]))  # build the shared model files once, before the ranks
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "result.json")
+        mp.spawn(_worker, args=(world, free_port(), model_name, opts, out), nprocs=world, join=True)
+        return json.loads(Path(out).read_text())
+
+
+def run(args: argparse.Namespace) -> Report:
+    preset = QUICK if args.quick else FULL
+    opts = {"batch": args.batch or preset["batch"], "rounds": args.rounds or preset["rounds"],
+            "steps": args.steps or preset["steps"], "warmup": preset["warmup"], "threads": args.threads}
+    models = args.models or preset["models"]
+    report = Report("trainer", args.quick, params={"models": models, "ranks": args.ranks, **opts,
+                                                    "statistic": "median (and best) step time over every timed step"})
+    report.columns = [Column("model", "model"), Column("params_m", "params M", "{:.2f}"), Column("path", "path"),
+                      Column("tokens_per_step", "tokens/step"), Column("steps", "steps"),
+                      Column("step_seconds", "s/step", "{:.4f}"), Column("tokens_per_s", "tokens/s", "{:.0f}"),
+                      Column("best_tokens_per_s", "best tokens/s", "{:.0f}")]
+    for name in models:
+        t0 = time.perf_counter()
+        res = measure(name, args.ranks, opts)
+        print(f"  {name}: measured in {time.perf_counter() - t0:.1f}s", flush=True)
+        rates, best = {}, {}
+        for path, times in res["times"].items():
+            seconds = median(times)
+            rates[path], best[path] = res["tokens"] / seconds, res["tokens"] / min(times)
+            label = "rlray TrainerActor.train_step" if path == "rlray" else "bare FSDP2 loop"
+            report.rows.append({"model": name, "params_m": res["params"] / 1e6, "path": label,
+                                "tokens_per_step": res["tokens"], "padded_tokens_per_step": res["padded_tokens"],
+                                "steps": len(times), "step_seconds": seconds, "step_seconds_all": times,
+                                "tokens_per_s": rates[path], "best_tokens_per_s": best[path]})
+        report.ratios[f"{name} rlray / bare tokens/s (median)"] = ratio(rates["rlray"], rates["bare"])
+        report.ratios[f"{name} rlray / bare tokens/s (best)"] = ratio(best["rlray"], best["bare"])
+    report.notes = [(f"{args.ranks} gloo ranks (torch.multiprocessing, no Ray), {args.threads} torch thread(s) per "
+                    "rank; the paths alternate step by step (ABBA); ratio < 1 means rlray is slower. 'best' uses each path's "
+                    "fastest step, the least disturbed by other load.")]
+    return report

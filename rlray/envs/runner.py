@@ -1,0 +1,495 @@
+"""The env runner: verifiers rollouts against the rollout actor's own engine, as token-exact `Rollout`s.
+
+Contract:
+- `EnvRunner(envs, engine, tokenizer, clients, cfg, version=..., server=..., chat_template=...)`
+  drives verifiers environments (`Env`, weighted) with `clients`, verifiers clients of the
+  actor's OpenAI endpoint (`rlray.server`; `make_clients`). `version()` is the actor's policy version.
+- `next_train() -> (env, row)`: the next training row; the environment is drawn by weight,
+  rows of one environment come in order (actor i of A takes rows i, i+A, ...).
+- `group(env, row, n, temperature, max_tokens) -> list[Rollout]`: n rollouts of one row,
+  scored together by the env's rubric (group reward functions see the whole group).
+  Every rollout is token-exact: prompt ids, completion ids and logprobs are what vLLM
+  returned (`return_token_ids`, `logprobs`); turn after turn, the environment's tokens
+  between two model turns (tool results, user turns, chat-template glue) join the
+  completion with loss mask 0 and logprob 0, the model's tokens have mask 1.
+- Multi-turn check: turn k+1's prompt ids must start with turn k's prompt + completion ids;
+  otherwise the rollout keeps its reward but gets error "TokenMismatch: ..." and an all-zero
+  loss mask (counted, never trained on).
+- Failures never raise: an environment that raises, a reward function that raises, a tool
+  call past `env.tool_timeout_s`, a rollout past `env.rollout_timeout_s`, an endpoint that
+  returns no token ids: that rollout gets reward 0, `error` "<Kind>: ..." and an all-zero
+  loss mask; `counts` counts them by kind. Malformed model output is not a failure: it is
+  scored like any other output (an empty answer is an empty assistant message).
+- Versions: each model token carries the policy version of the weights that sampled it
+  (vLLM's weight-version spans, labelled at every sync, read back per response id; the
+  direct path reads the actor's version as each token arrives); an environment token
+  carries the version of the model token before it. A rollout with no token at all carries
+  the version at its start.
+- Fast path: with `env.fast_path` on, a plain single-turn environment (no tools, no
+  overridden rollout hooks) skips HTTP: the prompt is rendered with the same chat template
+  the endpoint uses, the engine samples all n completions in one request, and the env's
+  rubric scores them exactly as it scores HTTP rollouts. Everything else goes over HTTP.
+- `evaluate(env, indices, n, temperature, max_tokens)` runs rows of the eval split and
+  returns one record per example (prompt, answer, completions, rewards, errors).
+  `pass_at_k(n, c, k)` is the unbiased estimator of Chen et al. (2021).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import functools
+import inspect
+import logging
+import random
+from collections import Counter
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from math import comb
+from typing import Any
+
+import numpy as np
+
+from rlray.envs.base import Env, prompt_text
+from rlray.types import Rollout
+
+log = logging.getLogger(__name__)
+MODEL = "rlray"  # the served model name (rlray.server.SERVED_MODEL_NAME)
+
+
+class ToolTimeoutError(Exception):
+    """A tool call ran past `env.tool_timeout_s`."""
+
+
+@dataclass
+class _Tracker:
+    """What one rollout learned outside verifiers' state: its start version, its errors, its state."""
+
+    version: int
+    errors: list[str] = field(default_factory=list)
+    state: Any = None
+
+
+_CURRENT: contextvars.ContextVar[_Tracker | None] = contextvars.ContextVar("rlray_rollout", default=None)
+_REWARD_ERRORS: contextvars.ContextVar[list[str] | None] = contextvars.ContextVar("rlray_reward_errors", default=None)
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Probability that at least one of k samples drawn from n (c of them correct) is correct."""
+    if k > n:
+        raise ValueError(f"pass@{k} needs at least {k} samples per example, got {n}")
+    if n - c < k:
+        return 1.0
+    return 1.0 - comb(n - c, k) / comb(n, k)
+
+
+def error_kind(error: str | None) -> str | None:
+    return None if error is None else error.split(":", 1)[0]
+
+
+# ---- instrumentation of a loaded verifiers environment -------------------------------
+def _recording(func: Callable) -> Callable:
+    """`func`, plus: an exception it raises is appended to the current reward-error list."""
+    name = getattr(func, "__name__", repr(func))
+
+    @functools.wraps(func)
+    async def call(*args: Any, **kwargs: Any) -> Any:
+        try:
+            out = func(*args, **kwargs)
+            return await out if inspect.isawaitable(out) else out
+        except Exception as e:
+            sink = _REWARD_ERRORS.get()
+            if sink is not None:
+                sink.append(f"RewardError: {name}: {type(e).__name__}: {e}")
+            raise
+
+    call.__signature__ = inspect.signature(func)  # type: ignore[attr-defined]
+    return call
+
+
+def _cache_signature(func: Callable) -> None:
+    """verifiers inspects every reward function's signature on every call; compute it once."""
+    target = getattr(func, "__func__", func)  # a bound method's function
+    try:
+        if "__signature__" not in getattr(target, "__dict__", {}):
+            target.__signature__ = inspect.signature(target)
+    except (AttributeError, TypeError, ValueError):
+        pass
+
+
+def _state_errors(state: Any) -> list[str]:
+    return dict.setdefault(state, "rlray_reward_errors", [])
+
+
+def instrument_rubric(rubric: Any) -> None:
+    """Reward functions keep failing softly (verifiers scores them 0), but rlray hears of it."""
+    for child in getattr(rubric, "rubrics", None) or []:
+        instrument_rubric(child)
+    if getattr(rubric, "_rlray_instrumented", False):
+        return
+    rubric._rlray_instrumented = True
+    for func in rubric.funcs:
+        _cache_signature(func)
+    individual, group = rubric._call_individual_reward_func, rubric._call_group_reward_func
+    wrapped: dict[int, Callable] = {}
+
+    def rec(func: Callable) -> Callable:
+        if id(func) not in wrapped:
+            wrapped[id(func)] = _recording(func)
+        return wrapped[id(func)]
+
+    async def call_individual(func: Callable, state: Any) -> float:
+        token = _REWARD_ERRORS.set(_state_errors(state))
+        try:
+            return await individual(rec(func), state)
+        finally:
+            _REWARD_ERRORS.reset(token)
+
+    async def call_group(func: Callable, states: list) -> list[float]:
+        sink: list[str] = []
+        token = _REWARD_ERRORS.set(sink)
+        try:
+            return await group(rec(func), states)
+        finally:
+            _REWARD_ERRORS.reset(token)
+            for s in states:
+                _state_errors(s).extend(sink)
+
+    rubric._call_individual_reward_func = call_individual
+    rubric._call_group_reward_func = call_group
+
+
+_TOOL_THREADS: ThreadPoolExecutor | None = None
+
+
+def _tool_threads() -> ThreadPoolExecutor:
+    global _TOOL_THREADS
+    if _TOOL_THREADS is None:  # its own pool: hung tools must not starve the loop's default executor
+        _TOOL_THREADS = ThreadPoolExecutor(max_workers=64, thread_name_prefix="rlray-tool")
+    return _TOOL_THREADS
+
+
+def _timed_tool(fn: Callable, name: str, timeout: float) -> Callable:
+    """Sync tools run in a thread (a hang must not block the event loop); every call is bounded."""
+
+    @functools.wraps(fn)
+    async def call(*args: Any, **kwargs: Any) -> Any:
+        if inspect.iscoroutinefunction(fn):
+            work = fn(*args, **kwargs)
+        else:
+            ctx = contextvars.copy_context()
+            work = asyncio.get_running_loop().run_in_executor(
+                _tool_threads(), functools.partial(ctx.run, fn, *args, **kwargs))
+        try:
+            out = await asyncio.wait_for(work, timeout)
+            return await asyncio.wait_for(out, timeout) if inspect.isawaitable(out) else out
+        except TimeoutError:
+            message = f"ToolTimeout: tool '{name}' ran past env.tool_timeout_s={timeout}s"
+            tracker = _CURRENT.get()
+            if tracker is not None:
+                tracker.errors.append(message)
+            raise ToolTimeoutError(message) from None
+
+    return call
+
+
+def instrument_env(env: Env, tool_timeout_s: float) -> None:
+    vf_env = env.vf
+    if getattr(vf_env, "_rlray_instrumented", False):
+        return
+    vf_env._rlray_instrumented = True
+    instrument_rubric(vf_env.rubric)
+    tool_map = getattr(vf_env, "tool_map", None)
+    if isinstance(tool_map, dict):
+        for name, fn in list(tool_map.items()):
+            tool_map[name] = _timed_tool(fn, name, tool_timeout_s)
+        stop = getattr(vf_env, "stop_errors", None)
+        if isinstance(stop, list) and ToolTimeoutError not in stop:
+            stop.append(ToolTimeoutError)  # a timed-out tool ends the rollout
+    init_state = vf_env.init_state
+
+    async def tracked_init_state(*args: Any, **kwargs: Any) -> Any:
+        state = await init_state(*args, **kwargs)
+        tracker = _CURRENT.get()
+        if tracker is not None:
+            tracker.state = state  # kept even when the rollout raises later
+        return state
+
+    vf_env.init_state = tracked_init_state
+
+
+def make_clients(base_url: str, timeout_s: float, n: int = 8, connections: int = 16) -> list[Any]:
+    """Verifiers chat clients of an rlray endpoint. Several small connection pools, because
+    httpx's pool costs O(connections x waiting requests) per request. An empty completion is
+    a valid (bad) answer, not an error: it comes back as an empty assistant message."""
+    import httpx
+    import verifiers as vf
+    from openai import AsyncOpenAI
+
+    class Client(vf.OpenAIChatCompletionsClient):
+        async def raise_from_native_response(self, response: Any) -> None:
+            if response is None or not response.choices:
+                raise vf.EmptyModelResponseError("the endpoint returned no choices")
+
+        async def from_native_response(self, response: Any) -> Any:
+            out = await super().from_native_response(response)
+            if out.message.content is None and not out.message.tool_calls:
+                out.message.content = ""
+            return out
+
+    def one() -> Any:
+        http = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s),
+                                 limits=httpx.Limits(max_connections=connections,
+                                                     max_keepalive_connections=connections))
+        return Client(AsyncOpenAI(base_url=base_url, api_key="EMPTY", max_retries=0, http_client=http))
+
+    return [one() for _ in range(n)]
+
+
+# ---- the runner ---------------------------------------------------------------------
+class EnvRunner:
+    def __init__(self, envs: list[tuple[Env, float]], engine: Any, tokenizer: Any, clients: list[Any], cfg: Any, *,
+                 version: Callable[[], int], server: Any = None, chat_template: str | None = None,
+                 index: int = 0, num_actors: int = 1, seed: int = 0) -> None:
+        self.envs = [e for e, _ in envs]
+        self.weights = [w for _, w in envs]
+        self.by_id = {e.id: e for e in self.envs}
+        self.engine, self.tokenizer, self.clients, self.cfg = engine, tokenizer, clients, cfg
+        self._next_client = 0
+        self.version, self.server, self.chat_template = version, server, chat_template
+        self.num_actors = num_actors
+        self.rng = random.Random(f"{seed}:{index}")
+        self.next_index = {e.id: index for e in self.envs}
+        self.counts: Counter[str] = Counter()
+        for e in self.envs:
+            instrument_env(e, cfg.tool_timeout_s)
+
+    # ---- work -------------------------------------------------------------------
+    def next_train(self) -> tuple[Env, dict]:
+        env = self.envs[0] if len(self.envs) == 1 else self.rng.choices(self.envs, self.weights)[0]
+        i = self.next_index[env.id]
+        self.next_index[env.id] = i + self.num_actors
+        return env, env.row("train", i)
+
+    def uses_fast_path(self, env: Env) -> bool:
+        return bool(self.cfg.fast_path) and env.fast_path_ok
+
+    async def group(self, env: Env, row: dict, n: int, temperature: float, max_tokens: int) -> list[Rollout]:
+        sampling = self._sampling(env, temperature, max_tokens)
+        self._next_client = (self._next_client + 1) % len(self.clients)
+        client = self.clients[self._next_client]  # one group, one connection pool (and the prefix cache)
+        if self.uses_fast_path(env):
+            trackers = await self._fast(env, row, n, temperature, max_tokens, sampling, client)
+            self.counts["fast_rollouts"] += n
+        else:
+            trackers = await asyncio.gather(*(self._http(env, row, sampling, client) for _ in range(n)))
+            self.counts["http_rollouts"] += n
+        await self._score(env, trackers)
+        rollouts = [self._rollout(env, row, t) for t in trackers]
+        for r in rollouts:
+            self.counts["rollouts"] += 1
+            if r.error is not None:
+                self.counts["errors"] += 1
+                self.counts[f"errors/{error_kind(r.error)}"] += 1
+        return rollouts
+
+    async def evaluate(self, env: Env, indices: list[int], n: int, temperature: float,
+                       max_tokens: int) -> list[dict[str, Any]]:
+        rows = [env.row("eval", i) for i in indices]
+        groups = await asyncio.gather(*(self.group(env, row, n, temperature, max_tokens) for row in rows))
+        return [{"env": env.id, "example": i, "prompt": prompt_text(row.get("prompt")),
+                 "answer": row.get("answer", ""), "completions": [r.text for r in g],
+                 "rewards": [r.reward for r in g], "errors": [r.error for r in g]}
+                for i, row, g in zip(indices, rows, groups)]
+
+    # ---- sampling ---------------------------------------------------------------
+    def _sampling(self, env: Env, temperature: float, max_tokens: int) -> dict[str, Any]:
+        """The env's own sampling args, with the RL-relevant ones fixed: the trainer assumes plain
+        temperature sampling, and needs token ids and the logprobs of the sampled distribution."""
+        base = {k: v for k, v in (env.vf.sampling_args or {}).items() if k not in ("n", "extra_body")}
+        extra = dict((env.vf.sampling_args or {}).get("extra_body") or {})
+        extra.update(return_token_ids=True, top_k=0, min_p=0.0, repetition_penalty=1.0)
+        return {**base, "temperature": temperature, "max_tokens": max_tokens, "top_p": 1.0, "logprobs": True,
+                "extra_body": extra}
+
+    def render(self, messages: list, tools: list | None = None) -> list[int]:
+        """Prompt ids as the endpoint renders them (same chat template, no extra special tokens)."""
+        text = self.tokenizer.apply_chat_template([dict(m) for m in messages], tools=tools, tokenize=False,
+                                                  add_generation_prompt=True, chat_template=self.chat_template)
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    # ---- the two paths ----------------------------------------------------------
+    async def _http(self, env: Env, row: dict, sampling: dict, client: Any) -> _Tracker:
+        tracker = _Tracker(version=self.version())
+        token = _CURRENT.set(tracker)
+        try:
+            tracker.state = await asyncio.wait_for(env.vf.rollout(row, client, MODEL, sampling),
+                                                   self.cfg.rollout_timeout_s)
+        except TimeoutError:
+            tracker.errors.append(f"RolloutTimeout: the rollout ran past env.rollout_timeout_s="
+                                  f"{self.cfg.rollout_timeout_s}s")
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            tracker.errors.append(f"EnvError: {type(e).__name__}: {e}")
+        finally:
+            _CURRENT.reset(token)
+        err = tracker.state.get("error") if tracker.state is not None else None
+        if err is not None and not isinstance(err.__cause__, ToolTimeoutError):
+            cause = f" ({type(err.__cause__).__name__}: {err.__cause__})" if err.__cause__ else ""
+            tracker.errors.append(f"EnvError: {type(err).__name__}: {err}{cause}")
+        return tracker
+
+    async def _fast(self, env: Env, row: dict, n: int, temperature: float, max_tokens: int,
+                    sampling: dict, client: Any) -> list[_Tracker]:
+        import verifiers as vf
+        from verifiers.types import TrajectoryStep
+
+        start = self.version()
+        trackers = [_Tracker(version=start) for _ in range(n)]
+        try:
+            prompt_ids = self.render(row["prompt"])
+        except Exception as e:
+            for t in trackers:
+                t.errors.append(f"EnvError: rendering the prompt failed: {type(e).__name__}: {e}")
+            return trackers
+        samples = await self.engine.generate(prompt_ids, n=n, temperature=temperature, max_tokens=max_tokens,
+                                             version=self.version)
+        for t, s in zip(trackers, samples):
+            try:
+                state = await env.vf.init_state(row, client, MODEL, sampling)
+                text = self.tokenizer.decode(s.completion_ids, skip_special_tokens=True)
+                message = vf.AssistantMessage(content=text)
+                truncated = s.finish_reason == "length"
+                tokens = {"prompt_ids": prompt_ids, "prompt_mask": [0] * len(prompt_ids),
+                          "completion_ids": s.completion_ids, "completion_mask": [1] * len(s.completion_ids),
+                          "completion_logprobs": s.logprobs, "overlong_prompt": False, "is_truncated": False,
+                          "routed_experts": None}
+                state["trajectory"].append(TrajectoryStep(
+                    prompt=state["prompt"], completion=[message], response=None, tokens=tokens, reward=None,
+                    advantage=None, is_truncated=truncated, trajectory_id=state["trajectory_id"],
+                    extras={"rlray_versions": s.versions, "rlray_finish_reason": s.finish_reason}))
+                state["completion"] = [message]
+                state.update(is_completed=True, is_truncated=truncated, stop_condition="max_turns_reached")
+                t.state = state
+            except Exception as e:
+                t.errors.append(f"EnvError: {type(e).__name__}: {e}")
+        return trackers
+
+    # ---- scoring and assembly ---------------------------------------------------
+    async def _score(self, env: Env, trackers: list[_Tracker]) -> None:
+        scored = [t for t in trackers if t.state is not None and not t.errors]
+        rubric = env.vf.rubric
+        if scored:
+            states = [t.state for t in scored]
+            try:
+                if env.vf.score_rollouts:
+                    await rubric.score_group(states)
+                else:
+                    await rubric.dummy_score_group(states)
+            except Exception as e:  # the rubric itself failed, not one reward function
+                for t in scored:
+                    t.errors.append(f"RewardError: scoring failed: {type(e).__name__}: {e}")
+            for t in scored:
+                t.errors.extend(dict.get(t.state, "rlray_reward_errors", []))
+        for t in trackers:
+            if t.state is not None:
+                try:
+                    await rubric.cleanup(t.state)
+                except Exception as e:
+                    log.warning("rubric cleanup failed: %s", e)
+
+    def _versions(self, step: Any, n: int, default: int) -> list[int]:
+        extras = step.get("extras") or {}
+        if "rlray_versions" in extras:
+            return list(extras["rlray_versions"])
+        response = step.get("response")
+        if self.server is None or response is None:
+            return [default] * n
+        return self.server.versions(response.id, n, default)
+
+    def _rollout(self, env: Env, row: dict, t: _Tracker) -> Rollout:
+        state = t.state
+        steps = list(state.get("trajectory") or []) if state is not None else []
+        turns = []  # (prompt ids, completion ids, logprobs, versions, step); reading versions frees their record
+        for step in steps:
+            tok = step.get("tokens")
+            n = len(tok["completion_ids"]) if tok is not None else 0
+            versions = self._versions(step, n, t.version)
+            if tok is None:
+                t.errors.append("NoTokens: the endpoint returned no token ids or logprobs")
+                break
+            turns.append((list(tok["prompt_ids"]), list(tok["completion_ids"]),
+                          [float(x) for x in tok["completion_logprobs"]], versions, step))
+        if not turns and not t.errors:
+            too_long = state is not None and state.get("prompt_too_long")
+            t.errors.append("NoTokens: no model turn" + (" (the prompt exceeds the context window)" if too_long else ""))
+        prompt: list[int] = []
+        ids: list[int] = []
+        logprobs: list[float] = []
+        mask: list[int] = []
+        versions: list[int] = []
+        seen: list[int] | None = None
+        finish, mismatch = "", None
+        for k, (p, c, lp, v, step) in enumerate(turns):
+            if seen is None:
+                prompt = p
+            elif p[: len(seen)] != seen:
+                at = next((j for j, (a, b) in enumerate(zip(p, seen)) if a != b), min(len(p), len(seen)))
+                mismatch = (f"TokenMismatch: turn {k + 1}'s prompt does not extend turn {k}'s prompt + "
+                            f"completion (first difference at token {at})")
+                break
+            else:  # what the environment added between two model turns
+                glue = p[len(seen):]
+                ids += glue
+                logprobs += [0.0] * len(glue)
+                mask += [0] * len(glue)
+                versions += [versions[-1] if versions else t.version] * len(glue)
+            ids += c
+            logprobs += lp
+            mask += [1] * len(c)
+            versions += v
+            seen = p + c
+            response = step.get("response")
+            finish = (step.get("extras") or {}).get("rlray_finish_reason") or (
+                response.message.finish_reason if response is not None else "") or ""
+            if step.get("is_truncated"):
+                finish = "length"
+        failed = bool(t.errors)
+        reward = 0.0 if failed or state is None else float(state.get("reward") or 0.0)
+        metrics = (state.get("metrics") or {}) if state is not None else {}
+        parts = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))}
+        error = "; ".join(dict.fromkeys(t.errors)) if failed else mismatch
+        if not prompt:
+            try:
+                prompt = self.render(row.get("prompt") or [])
+            except Exception:
+                prompt = [self.tokenizer.eos_token_id]
+        if not ids:  # nothing was sampled: one masked eos keeps every array (and the version) non-empty
+            ids, logprobs, mask, versions = [self.tokenizer.eos_token_id], [0.0], [0], [t.version]
+        if error is not None:
+            mask = [0] * len(ids)
+        return Rollout(
+            prompt_ids=np.asarray(prompt, dtype=np.int64),
+            completion_ids=np.asarray(ids, dtype=np.int64),
+            logprobs=np.asarray(logprobs, dtype=np.float32),
+            loss_mask=np.asarray(mask, dtype=np.int8),
+            versions=np.asarray(versions, dtype=np.int64),
+            reward=reward, reward_parts=parts, env_id=env.id, example_id=int(row.get("example_id", -1)),
+            finish_reason=finish, error=error, text=self.tokenizer.decode(ids, skip_special_tokens=True),
+        )
+
+
+def summarize(records: list[dict[str, Any]], pass_k: list[int], threshold: float) -> dict[str, float]:
+    """Mean reward (over every sample) and pass@k (mean over examples) of evaluation records."""
+    if not records:
+        return {}
+    rewards = [r for rec in records for r in rec["rewards"]]
+    out = {"reward_mean": float(np.mean(rewards)), "num_examples": len(records), "num_samples": len(rewards),
+           "errors": sum(e is not None for rec in records for e in rec["errors"])}
+    for k in pass_k:
+        out[f"pass@{k}"] = float(np.mean([pass_at_k(len(rec["rewards"]), sum(x >= threshold for x in rec["rewards"]), k)
+                                          for rec in records]))
+    return out
+

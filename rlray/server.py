@@ -1,0 +1,166 @@
+"""vLLM's own OpenAI-compatible server around a running `Engine`, inside the caller's event loop.
+
+Contract:
+- `OpenAIServer.start(engine, host=..., port=0, ...)` (host "node": every interface, advertised
+  by the node's address) builds vLLM's FastAPI app
+  (`build_app` + `init_app_state`) around the engine's `AsyncLLM` and serves it with
+  uvicorn as a task on the current event loop: the same engine answers HTTP requests
+  (`/v1/chat/completions`, `/v1/completions`, `/tokenize`, `/v1/models`, ...) and direct
+  `Engine.generate` calls. `url` is the OpenAI base URL (`http://host:port/v1`).
+- Token ids and logprobs come back when a request asks for them (`logprobs: true`,
+  `return_token_ids: true`); logprobs are the engine's `processed_logprobs`.
+- Every finished request's weight-version spans (which policy version sampled which
+  output tokens; vLLM labels them, see `Engine.update_weights`) are kept by response id:
+  `versions(response_id, num_tokens)` returns one version per output token.
+- A tokenizer without a chat template gets `PLAIN_CHAT_TEMPLATE` (bos, then every
+  message's text; an assistant turn ends with eos; tool calls are written `name(args)`),
+  which together with the `rlray` tool-call parser (rlray.envs.tool_parser) lets the
+  character-level tiny models play multi-turn and tool environments.
+- vllm, fastapi and uvicorn are imported inside functions only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections import OrderedDict
+from typing import Any
+
+PLAIN_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for m in messages %}"
+    "{% if m['role'] == 'assistant' %}"
+    "{% if m['content'] is string %}{{ m['content'] }}{% endif %}"
+    "{% for tc in m.get('tool_calls') or [] %}"
+    "{% set args = tc['function']['arguments'] %}"
+    "{{ tc['function']['name'] }}({% if args is mapping %}{{ args.values() | join(',') }}"
+    "{% else %}{{ args }}{% endif %})"
+    "{% endfor %}"
+    "{{ eos_token }}"
+    "{% elif m['content'] is string %}{{ m['content'] }}"
+    "{% else %}{% for part in m['content'] %}{{ part['text'] }}{% endfor %}"
+    "{% endif %}"
+    "{% endfor %}"
+)
+
+SERVED_MODEL_NAME = "rlray"
+
+
+class _VersionTracking:
+    """The engine client the server sees: the `AsyncLLM` itself, plus a record of the
+    weight-version spans of every finished request (keyed by request id = response id)."""
+
+    def __init__(self, llm: Any, capacity: int = 65536) -> None:
+        self._llm = llm
+        self._spans: OrderedDict[str, dict[int, list]] = OrderedDict()
+        self._capacity = capacity
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._llm, name)
+
+    async def generate(self, prompt: Any, sampling_params: Any, request_id: str, *args: Any, **kwargs: Any):
+        async for out in self._llm.generate(prompt, sampling_params, request_id, *args, **kwargs):
+            for c in out.outputs:
+                if c.weight_versions is not None:
+                    self._spans.setdefault(request_id, {})[c.index] = list(c.weight_versions)
+            if out.finished and len(self._spans) > self._capacity:
+                self._spans.popitem(last=False)
+            yield out
+
+    def pop_spans(self, request_id: str, index: int = 0) -> list | None:
+        spans = self._spans.pop(request_id, None)
+        return None if spans is None else spans.get(index)
+
+
+def spans_to_versions(spans: list | None, num_tokens: int, default: int) -> list[int]:
+    """One int version per output token from vLLM's `WeightVersionSpan`s; `default` where unlabelled."""
+    out = [default] * num_tokens
+    for span in spans or []:
+        try:
+            v = int(span.version)
+        except (TypeError, ValueError):
+            continue
+        for i in range(max(0, span.start), min(num_tokens, span.end)):
+            out[i] = v
+    return out
+
+
+def node_address() -> str:
+    """This node's outward address (the interface a default route would use)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("10.255.255.255", 1))
+            return s.getsockname()[0]
+        except OSError:
+            return "127.0.0.1"
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(1024)
+    sock.setblocking(False)
+    return sock
+
+
+class OpenAIServer:
+    def __init__(self, tracking: _VersionTracking, server: Any, task: asyncio.Task, host: str, port: int) -> None:
+        self.tracking, self.server, self.task = tracking, server, task
+        self.host, self.port = host, port
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}/v1"
+
+    @classmethod
+    async def start(cls, engine: Any, *, host: str = "127.0.0.1", port: int = 0, chat_template: str | None = None,
+                    tool_call_parser: str | None = None, model_name: str = SERVED_MODEL_NAME) -> OpenAIServer:
+        import uvicorn
+        from vllm.entrypoints.launchers.api_server.app_state import init_app_state
+        from vllm.entrypoints.launchers.app import build_app
+        from vllm.entrypoints.launchers.cli_args import make_arg_parser
+        from vllm.entrypoints.launchers.launcher import NoSignalServer
+        from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+        llm = engine.llm
+        model = llm.model_config.model
+        if chat_template is None and not getattr(llm.renderer.tokenizer, "chat_template", None):
+            chat_template = PLAIN_CHAT_TEMPLATE
+        argv = ["--model", model, "--served-model-name", model_name, model, "--disable-uvicorn-access-log",
+                "--disable-log-stats", "--disable-fastapi-docs"]
+        if chat_template is not None:
+            argv += ["--chat-template", chat_template]
+        if tool_call_parser:
+            if tool_call_parser == "rlray":
+                import rlray.envs.tool_parser  # noqa: F401  (registers the parser)
+            argv += ["--enable-auto-tool-choice", "--tool-call-parser", tool_call_parser]
+        args = make_arg_parser(FlexibleArgumentParser()).parse_args(argv)
+        advertised = host
+        if host == "node":  # serve on every interface, advertise the node's address
+            host, advertised = "0.0.0.0", node_address()
+        sock = _bind(host, port)
+        port = sock.getsockname()[1]
+        args.host, args.port = host, port
+        tracking = _VersionTracking(llm)
+        tasks = await llm.get_supported_tasks()
+        app = build_app(args, tasks, llm.model_config)
+        await init_app_state(tracking, app.state, args, tasks)
+        config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_keep_alive=30)
+        server = NoSignalServer(config)
+        task = asyncio.get_running_loop().create_task(server.serve(sockets=[sock]))
+        while not server.started:
+            if task.done():
+                task.result()  # raises the start-up error
+            await asyncio.sleep(0.01)
+        return cls(tracking, server, task, advertised, port)
+
+    def versions(self, response_id: str, num_tokens: int, default: int, index: int = 0) -> list[int]:
+        return spans_to_versions(self.tracking.pop_spans(response_id, index), num_tokens, default)
+
+    async def stop(self) -> None:
+        self.server.should_exit = True
+        try:
+            await asyncio.wait_for(self.task, timeout=10)
+        except Exception:  # a server that will not stop is cancelled
+            self.task.cancel()

@@ -1,0 +1,102 @@
+"""`python -m rlray.bench <name> --quick` runs, prints its table and ratios, and writes its JSON.
+
+Each benchmark runs in its own process, as a user runs it; assertions are on the report's
+shape and on numbers being positive, never on timings.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def bench(name: str, tmp_path: Path, *extra: str, timeout: float = 600.0) -> tuple[str, dict[str, Any]]:
+    out = tmp_path / f"{name}.json"
+    env = {**os.environ, "WANDB_MODE": "disabled", "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.run([sys.executable, "-m", "rlray.bench", name, "--quick", "--out", str(out), *extra],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout, check=False)
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    assert f"== rlray.bench {name} (quick) ==" in proc.stdout
+    assert "ratios:" in proc.stdout
+    report = json.loads(out.read_text())
+    assert report["name"] == name and report["quick"] is True
+    assert report["rows"] and report["ratios"] and report["seconds"] > 0
+    assert report["machine"]["cpus"] >= 1 and report["machine"]["torch"]
+    for key, value in report["ratios"].items():
+        assert isinstance(value, float) and math.isfinite(value) and value > 0, (key, value)
+    return proc.stdout, report
+
+
+def positive(rows: list[dict[str, Any]], *keys: str) -> None:
+    for row in rows:
+        for key in keys:
+            assert isinstance(row[key], (int, float)) and row[key] > 0, (key, row)
+
+
+@pytest.mark.bench
+def test_gpu_step_tiny_runs_on_cpu(tmp_path: Path) -> None:
+    _, report = bench("gpu-step", tmp_path, "--cache", str(tmp_path / "models"))
+    assert [r["model"] for r in report["rows"]] == ["dense-tiny", "moe-tiny"]
+    positive(report["rows"], "params_b", "active_b", "tokens", "seconds", "tokens_per_s", "tflops", "vs_matmul")
+    moe = report["rows"][1]
+    assert moe["active_b"] < moe["params_b"]
+    assert report["params"]["matmul_tflops"] > 0
+
+
+@pytest.mark.bench
+@pytest.mark.dist
+def test_trainer_quick(tmp_path: Path) -> None:
+    stdout, report = bench("trainer", tmp_path)
+    paths = {r["path"] for r in report["rows"]}
+    assert paths == {"rlray TrainerActor.train_step", "bare FSDP2 loop"}
+    positive(report["rows"], "params_m", "tokens_per_step", "steps", "step_seconds", "tokens_per_s")
+    assert "rlray / bare tokens/s" in stdout
+
+
+@pytest.mark.bench
+@pytest.mark.ray
+def test_weight_sync_quick(tmp_path: Path) -> None:
+    stdout, report = bench("weight-sync", tmp_path)
+    rows = report["rows"]
+    positive(rows, "mb", "seconds", "gb_per_s")
+    for size in ("10MB", "50MB"):
+        methods = {(r["path"], r["method"]) for r in rows if r["size"] == size}
+        assert {("sender", "memcpy"), ("gloo 2 actors", "bucketed"), ("gloo 2 actors", "per-tensor"),
+                ("ray object store", "ray.put/get")} <= methods
+        assert {r["bucket_mb"] for r in rows if r["size"] == size and r["method"] == "bucketed"} == {16, "1 tensor"}
+    e2e = [r for r in rows if r["path"] == "vLLM e2e (reload)"]
+    assert {r["bucket_mb"] for r in e2e} == {16, "1 tensor"} and e2e[0]["size"] == "10MB"
+    assert all(0 < r["vs_memcpy"] for r in rows)
+    assert "bucketed(16MB) / per-tensor" in stdout and "x memcpy" in stdout
+
+
+@pytest.mark.bench
+@pytest.mark.ray
+def test_rollout_quick(tmp_path: Path) -> None:
+    _, report = bench("rollout", tmp_path)
+    paths = {r["path"] for r in report["rows"]}
+    assert paths == {"vllm LLM.generate", "rlray Engine.generate", "rlray RolloutActor.run"}
+    positive(report["rows"], "passes", "completions", "tokens", "seconds", "tokens_per_s")
+
+
+@pytest.mark.bench
+@pytest.mark.ray
+def test_async_quick(tmp_path: Path) -> None:
+    _, report = bench("async", tmp_path, "--run-dir", str(tmp_path / "runs"), timeout=900.0)
+    rows = report["rows"]
+    assert [r["k"] for r in rows] == [0, 2]
+    positive(rows, "steps", "wall_s", "s_per_step", "train_s", "sync_s", "tokens_per_s", "speedup", "window_s")
+    for r in rows:
+        assert 0.0 <= r["trainer_idle"] <= 1.0 and 0.0 <= r["rollout_idle"] <= 1.0
+        assert r["steps"] == report["params"]["steps"]
+    assert rows[0]["lag_mean"] == 0.0
+    assert rows[0]["speedup"] == 1.0

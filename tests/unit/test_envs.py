@@ -1,0 +1,253 @@
+"""Environments without an engine: loading by id, built-in tasks, pass@k, rollout assembly from
+verifiers trajectories (masks, versions, the multi-turn prefix check), failure capture, the
+`rlray` tool-call parser and the plain chat template."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from math import comb
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from rlray.config import EnvConfig
+from rlray.data.tokenizer import char_tokenizer
+from rlray.envs import BUILTIN, load_env, load_envs
+from rlray.envs.runner import (
+    _CURRENT,
+    EnvRunner,
+    ToolTimeoutError,
+    _timed_tool,
+    _Tracker,
+    instrument_rubric,
+    pass_at_k,
+    summarize,
+)
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return char_tokenizer()
+
+
+# ---- loading ----------------------------------------------------------------------------
+@pytest.mark.parametrize("env_id", BUILTIN)
+def test_builtin_envs_load_by_id_with_disjoint_splits(env_id: str) -> None:
+    env = load_env(env_id, {"num_train": 50, "num_eval": 20})
+    train = [env.example("train", i) for i in range(20)]
+    evals = [env.example("eval", i) for i in range(20)]
+    assert env.num_examples("train") == 50 and env.num_examples("eval") == 20
+    assert env.example("train", 3) == env.example("train", 3)  # deterministic
+    assert {e.prompt for e in train}.isdisjoint({e.prompt for e in evals}) or env_id == "arithmetic"
+    assert env.example("train", 53).prompt == env.example("train", 3).prompt  # index modulo the split
+    assert env.fast_path_ok == (env_id != "calculator")
+
+
+def test_reverse_text_matches_the_plain_task() -> None:
+    from rlray.envs.reverse_text import ReverseText
+
+    env, plain = load_env("reverse_text", {"num_train": 10, "num_eval": 10}), ReverseText()
+    for i in range(10):
+        assert env.example("train", i).prompt == plain.example("train", i).prompt
+        assert env.example("eval", i).answer == plain.example("eval", i).answer
+
+
+def test_unknown_env_id_names_the_fix() -> None:
+    with pytest.raises(ValueError, match="python_path"):
+        load_env("no_such_env_module_xyz")
+
+
+def test_env_module_from_a_folder_on_python_path(tmp_path) -> None:
+    (tmp_path / "tiny_echo_env.py").write_text(
+        "import verifiers as vf\nfrom datasets import Dataset\n"
+        "def load_environment(n=5):\n"
+        "    ds = Dataset.from_dict({'prompt': [[{'role': 'user', 'content': f'q{i}'}] for i in range(n)],"
+        " 'answer': [str(i) for i in range(n)]})\n"
+        "    return vf.SingleTurnEnv(dataset=ds, rubric=vf.Rubric(funcs=[lambda completion, answer: 1.0]))\n")
+    cfg = EnvConfig(id="tiny_echo_env", args={"n": 3}, python_path=[str(tmp_path)])
+    (env, weight), = load_envs(cfg)
+    assert weight == 1.0 and env.num_examples("train") == 3 and env.example("eval", 1).prompt == "q1"
+
+
+def test_mix_has_weights() -> None:
+    from rlray.config import EnvSpec
+
+    cfg = EnvConfig(mix=[EnvSpec("reverse_text", {"num_train": 5}, 3.0), EnvSpec("arithmetic", {"num_train": 5}, 1.0)])
+    assert [(e.id, w) for e, w in load_envs(cfg)] == [("reverse_text", 3.0), ("arithmetic", 1.0)]
+
+
+def test_env_config_from_hydra_overrides() -> None:
+    from hydra import compose, initialize_config_dir
+
+    from rlray.config import register, to_config
+    from rlray.launch import CONF_DIR
+
+    register()
+    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
+        cfg = compose("config", overrides=["env.mix=[{id: reverse_text, weight: 2}, {id: calculator}]",
+                                           "eval.num_samples=4", "eval.pass_k=[1,4]", "rl.eval_every=7"])
+    c = to_config(cfg)
+    assert [(s.id, s.weight) for s in c.env.mix] == [("reverse_text", 2.0), ("calculator", 1.0)]
+    assert c.eval.every_n_steps == 7 and c.eval.max_tokens == c.rollout.max_tokens and c.eval.pass_k == [1, 4]
+
+
+# ---- pass@k -----------------------------------------------------------------------------
+def test_pass_at_k_by_hand() -> None:
+    assert pass_at_k(4, 0, 1) == 0.0 and pass_at_k(4, 4, 2) == 1.0
+    assert pass_at_k(4, 1, 1) == pytest.approx(0.25)
+    assert pass_at_k(4, 1, 2) == pytest.approx(1 - comb(3, 2) / comb(4, 2))  # 0.5
+    assert pass_at_k(5, 2, 3) == pytest.approx(1 - 1 / 10)  # one of the 10 triples has no correct sample
+    with pytest.raises(ValueError):
+        pass_at_k(2, 1, 3)
+    records = [{"rewards": [1.0, 0.0, 0.0, 0.0], "errors": [None] * 4},
+               {"rewards": [1.0, 1.0, 0.2, 0.0], "errors": [None, None, None, "EnvError: x"]}]
+    s = summarize(records, [1, 2], threshold=1.0)
+    assert s["pass@1"] == pytest.approx((0.25 + 0.5) / 2)
+    assert s["pass@2"] == pytest.approx((0.5 + (1 - 1 / 6)) / 2)
+    assert s["reward_mean"] == pytest.approx(3.2 / 8) and s["errors"] == 1
+
+
+# ---- rollout assembly ---------------------------------------------------------------------
+def fake_runner(tok, **cfg) -> EnvRunner:
+    cfg = SimpleNamespace(**{"tool_timeout_s": 1.0, "rollout_timeout_s": 5.0, "fast_path": True, **cfg})
+    env = load_env("reverse_text", {"num_train": 4, "num_eval": 4})
+    from rlray.server import PLAIN_CHAT_TEMPLATE
+
+    return EnvRunner([(env, 1.0)], engine=None, tokenizer=tok, clients=[None], cfg=cfg, version=lambda: 0,
+                     chat_template=PLAIN_CHAT_TEMPLATE)
+
+
+def step(prompt, completion, logprobs, versions, finish="stop"):
+    return {"tokens": {"prompt_ids": prompt, "completion_ids": completion, "completion_logprobs": logprobs},
+            "extras": {"rlray_versions": versions, "rlray_finish_reason": finish}, "response": None,
+            "is_truncated": finish == "length"}
+
+
+def test_multi_turn_rollout_masks_environment_tokens(tok) -> None:
+    runner = fake_runner(tok)
+    env = runner.envs[0]
+    p1, c1 = [1, 10, 11], [20, 21, 2]
+    p2 = p1 + c1 + [30, 31]  # the environment's turn: tool result and template glue
+    c2 = [22, 2]
+    state = {"trajectory": [step(p1, c1, [-0.1, -0.2, -0.3], [3, 3, 4]), step(p2, c2, [-0.4, -0.5], [5, 5])],
+             "reward": 0.5, "metrics": {"r": 0.5}}
+    r = runner._rollout(env, {"prompt": [], "example_id": 7}, _Tracker(version=3, state=state))
+    assert r.error is None and r.reward == 0.5 and r.example_id == 7
+    assert r.prompt_ids.tolist() == p1
+    assert r.completion_ids.tolist() == c1 + [30, 31] + c2
+    assert r.loss_mask.tolist() == [1, 1, 1, 0, 0, 1, 1]
+    np.testing.assert_allclose(r.logprobs, [-0.1, -0.2, -0.3, 0, 0, -0.4, -0.5])
+    assert r.versions.tolist() == [3, 3, 4, 4, 4, 5, 5] and r.min_version == 3
+    assert r.prompt_ids.tolist() + r.completion_ids.tolist() == p2 + c2  # exactly what the model saw last
+
+
+def test_non_extending_turn_is_flagged_and_not_trained(tok) -> None:
+    runner = fake_runner(tok)
+    p1, c1 = [1, 10, 11], [20, 21, 2]
+    p2 = [1, 10, 11, 20, 99, 2, 30]  # re-tokenised differently
+    state = {"trajectory": [step(p1, c1, [-0.1] * 3, [0] * 3), step(p2, [22, 2], [-0.1] * 2, [0] * 2)],
+             "reward": 1.0, "metrics": {}}
+    r = runner._rollout(runner.envs[0], {"prompt": []}, _Tracker(version=0, state=state))
+    assert r.error.startswith("TokenMismatch: turn 2") and "token 4" in r.error
+    assert r.reward == 1.0 and not r.loss_mask.any()
+
+
+def test_failed_rollout_gets_reward_zero_and_keeps_a_version(tok) -> None:
+    runner = fake_runner(tok)
+    r = runner._rollout(runner.envs[0], {"prompt": [{"role": "user", "content": "rev:abc="}]},
+                        _Tracker(version=6, errors=["EnvError: ValueError: boom"]))
+    assert r.reward == 0.0 and r.error == "EnvError: ValueError: boom"
+    assert r.prompt_ids.tolist() == [tok.bos_token_id] + tok("rev:abc=", add_special_tokens=False)["input_ids"]
+    assert r.completion_ids.tolist() == [tok.eos_token_id] and r.loss_mask.tolist() == [0]
+    assert r.versions.tolist() == [6]
+
+
+def test_rollout_without_a_model_turn_is_an_error(tok) -> None:
+    runner = fake_runner(tok)
+    state = {"trajectory": [], "reward": 0.3, "metrics": {}, "prompt_too_long": True}
+    r = runner._rollout(runner.envs[0], {"prompt": []}, _Tracker(version=2, state=state))
+    assert r.error == "NoTokens: no model turn (the prompt exceeds the context window)" and r.reward == 0.0
+    assert r.versions.tolist() == [2] and not r.loss_mask.any()
+
+
+# ---- failure capture ------------------------------------------------------------------------
+def test_reward_function_errors_are_recorded_per_rollout() -> None:
+    import verifiers as vf
+
+    def fine(completion, answer) -> float:
+        return 1.0
+
+    def broken(completion, answer) -> float:
+        if answer == "b":
+            raise RuntimeError("reward bug")
+        return 0.5
+
+    def group_broken(completions, answers) -> list[float]:
+        raise KeyError("group bug")
+
+    rubric = vf.Rubric(funcs=[fine, broken], weights=[1.0, 1.0])
+    instrument_rubric(rubric)
+    states = [vf.State(input={"prompt": [], "answer": a, "example_id": 0}) for a in ("a", "b")]
+    for s in states:
+        s.update(prompt=[], completion=[], trajectory=[], task={})
+    asyncio.run(rubric.score_group(states))
+    assert [s["reward"] for s in states] == [1.5, 1.0]
+    assert dict.get(states[0], "rlray_reward_errors") == []
+    assert dict.get(states[1], "rlray_reward_errors") == ["RewardError: broken: RuntimeError: reward bug"]
+
+    group = vf.Rubric(funcs=[group_broken])
+    instrument_rubric(group)
+    asyncio.run(group.score_group(states))
+    assert all("RewardError: group_broken: KeyError" in dict.get(s, "rlray_reward_errors")[-1] for s in states)
+
+
+def test_hanging_sync_tool_times_out_without_blocking_the_loop() -> None:
+    def slow(x: str) -> str:
+        time.sleep(2.0)
+        return x
+
+    async def main() -> tuple[float, list[str], bool]:
+        tracker = _Tracker(version=0)
+        _CURRENT.set(tracker)
+        ticks = 0
+
+        async def ticker() -> None:
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0.01)
+                ticks += 1
+
+        t = asyncio.create_task(ticker())
+        t0 = time.perf_counter()
+        with pytest.raises(ToolTimeoutError):
+            await _timed_tool(slow, "slow", 0.2)(x="a")
+        t.cancel()
+        fast = await _timed_tool(lambda x: x + "!", "echo", 0.2)(x="a")
+        return time.perf_counter() - t0, tracker.errors, ticks > 5 and fast == "a!"
+
+    seconds, errors, loop_ran = asyncio.run(main())
+    assert seconds < 1.0 and loop_ran
+    assert errors == ["ToolTimeout: tool 'slow' ran past env.tool_timeout_s=0.2s"]
+
+
+# ---- tool-call syntax and the plain chat template ---------------------------------------------
+def test_plain_template_round_trips_tool_calls(tok) -> None:
+    pytest.importorskip("vllm")
+    from rlray.envs.tool_parser import parse_call
+    from rlray.server import PLAIN_CHAT_TEMPLATE
+
+    tools = [{"type": "function", "function": {"name": "calc", "parameters": {
+        "type": "object", "properties": {"expression": {"type": "string"}}}}}]
+    tools_obj = [SimpleNamespace(function=SimpleNamespace(name="calc", parameters=tools[0]["function"]["parameters"]))]
+    assert parse_call("calc(12*3)", tools_obj) == ("calc", {"expression": "12*3"})
+    assert parse_call(" calc(1,2) ", tools_obj) == ("calc", {"expression": "1,2"})
+    assert parse_call("calc 12", tools_obj) is None and parse_call("add(1)", tools_obj) is None
+    messages = [{"role": "user", "content": "c:12*3="},
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": "x", "type": "function", "function": {"name": "calc", "arguments": {"expression": "12*3"}}}]},
+                {"role": "tool", "tool_call_id": "x", "content": "36"}]
+    text = tok.apply_chat_template(messages, chat_template=PLAIN_CHAT_TEMPLATE, tokenize=False,
+                                   add_generation_prompt=True)
+    assert text == "<bos>c:12*3=calc(12*3)<|im_end|>36"
