@@ -47,7 +47,7 @@ class Controller:
         from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(model_path(c.model))
-        self.env = load_env(c.env.id, c.env.args)
+        self.env = load_env(c.env.id, c.env.args, c.env.python_path)
         self.metrics = Metrics(self.run_dir, c.logging, _config_dict(c))
         self.summary: dict[str, Any] = {"run_dir": str(self.run_dir)}
         self.ckpt_root = self.run_dir / "checkpoints"
