@@ -9,43 +9,24 @@ from __future__ import annotations
 import asyncio
 import socket
 import threading
-from collections.abc import Coroutine, Iterator
-from concurrent.futures import Future
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, TypeVar
 
 import pytest
 import torch
 
+from rlray.bench.common import LoopThread
 from rlray.engine import Engine
 from rlray.weights import WeightSender, open_weight_group, plan_buckets
 
 pytest.importorskip("vllm")
 
-T = TypeVar("T")
 
 CHARS = list("abcdefghijklmnopqrstuvwxyz0123456789:= ABCDEFGHIJKLMNOPQRSTU")
 SPECIALS = ["<pad>", "<bos>", "<|im_end|>", "<unk>"]
 VOCAB = SPECIALS + CHARS  # 64 tokens, no padding ids
 
 
-class LoopThread:
-    """An asyncio loop in a daemon thread, so blocking test code can drive coroutines."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-
-    def submit(self, coro: Coroutine[Any, Any, T]) -> Future[T]:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop)
-
-    def run(self, coro: Coroutine[Any, Any, T], timeout: float = 120.0) -> T:
-        return self.submit(coro).result(timeout)
-
-    def close(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(timeout=10)
 
 
 @pytest.fixture(scope="module")
