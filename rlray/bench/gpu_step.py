@@ -58,9 +58,10 @@ class Arch:
         from transformers import Qwen3Config, Qwen3MoeConfig
 
         common = {"vocab_size": self.vocab, "hidden_size": self.hidden, "num_hidden_layers": self.layers,
-                      "num_attention_heads": self.heads, "num_key_value_heads": self.kv_heads, "head_dim": self.head_dim,
-                      "intermediate_size": self.intermediate, "max_position_embeddings": 32768,
-                      "tie_word_embeddings": self.tie, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
+                  "num_attention_heads": self.heads, "num_key_value_heads": self.kv_heads,
+                  "head_dim": self.head_dim, "intermediate_size": self.intermediate,
+                  "max_position_embeddings": 32768, "tie_word_embeddings": self.tie, "bos_token_id": 1,
+                  "eos_token_id": 2, "pad_token_id": 0}
         if self.kind == "dense":
             return Qwen3Config(**common)
         return Qwen3MoeConfig(**common, num_experts=self.experts, num_experts_per_tok=self.top_k,

@@ -10,7 +10,8 @@ no path gets another's prefix-cache hits. One engine at a time, each in its own 
 2. then one process holding a `RolloutActor` (no Ray; a local stand-in for the buffer):
    - `rlray Engine.generate`: all groups of a pass at once through the actor's engine;
    - `rlray RolloutActor.run`: the actor's own loop (ticket, generate, decode, score,
-     Rollout records, `put`) for exactly one pass worth of groups;
+     Rollout records, `put`) for exactly one pass worth of groups; it draws its own next
+     prompts from the reverse_text environment (the same task, the same prompt lengths);
    these two alternate pass by pass (and which goes first). Prompts (at most 14 tokens) fill no
    KV block, so the second path on a block gets no prefix-cache hits. Engine start-up is
    excluded; one warm-up pass each.
@@ -22,6 +23,7 @@ import argparse
 import asyncio
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -35,9 +37,11 @@ from rlray.config import ModelConfig, RolloutConfig
 MODELS: dict[str, dict[str, int]] = {
     "tiny": {},  # the default recipe's model (~1M parameters)
     "small": {"hidden_size": 512, "num_layers": 8, "num_heads": 8, "num_kv_heads": 4, "head_dim": 64,
-                  "intermediate_size": 1536},  # ~26M parameters
+              "intermediate_size": 1536},  # ~25M parameters
 }
 QUICK = {"models": ["tiny"], "groups": 16, "passes": 2}
+PASS_TIMEOUT_S = 600.0  # a pass that takes longer has hung; fail with what is known
+WORKER_TIMEOUT_S = 1800.0
 FULL = {"models": ["tiny", "small"], "groups": 64, "passes": 4}
 
 
@@ -65,14 +69,18 @@ def _vllm_worker(path: str, rc: RolloutConfig, groups: int, passes: int) -> dict
     params = SamplingParams(n=rc.group_size, temperature=rc.temperature, max_tokens=rc.max_tokens, logprobs=0,
                             detokenize=False)
     out: dict[str, Any] = {"vllm LLM.generate": []}
-    for r in range(passes + 1):
-        prompts = [TokensPrompt(prompt_token_ids=p) for p in _prompts(groups, r)]
-        t0 = time.perf_counter()
-        results = llm.generate(prompts, params, use_tqdm=False)
-        seconds = time.perf_counter() - t0
-        tokens = sum(len(c.token_ids) for res in results for c in res.outputs)
-        if r:
-            out["vllm LLM.generate"].append({"seconds": seconds, "tokens": tokens})
+    try:
+        for r in range(passes + 1):
+            prompts = [TokensPrompt(prompt_token_ids=p) for p in _prompts(groups, r)]
+            t0 = time.perf_counter()
+            results = llm.generate(prompts, params, use_tqdm=False)
+            seconds = time.perf_counter() - t0
+            tokens = sum(len(c.token_ids) for res in results for c in res.outputs)
+            print(f"    vllm LLM.generate: pass {r} {tokens} tokens in {seconds:.3f}s", flush=True)
+            if r:
+                out["vllm LLM.generate"].append({"seconds": seconds, "tokens": tokens})
+    finally:  # the engine core process outlives an exiting parent unless told to stop
+        llm.llm_engine.engine_core.shutdown()
     return out
 
 
@@ -84,6 +92,7 @@ class PassBuffer:
         self.limit = 0
         self.put_groups = 0
         self.tokens = 0
+        self.failed = 0
         self.done = asyncio.Event()
 
     def open_pass(self, groups: int) -> None:
@@ -102,7 +111,9 @@ class PassBuffer:
             self.done.set()
 
     async def cancel(self, n: int) -> None:
-        raise RuntimeError(f"the rollout actor failed {n} group(s)")
+        """A group failed: the pass cannot complete, so end it now (the caller raises)."""
+        self.failed += n
+        self.done.set()
 
 
 async def _rlray_passes(model: ModelConfig, rc: RolloutConfig, groups: int, passes: int) -> dict[str, Any]:
@@ -111,6 +122,13 @@ async def _rlray_passes(model: ModelConfig, rc: RolloutConfig, groups: int, pass
 
     actor = RolloutActor(0, 1, model, rc, EnvConfig(), seed=0)
     await actor.start()
+    try:
+        return await _alternate(actor, rc, groups, passes)
+    finally:
+        await asyncio.wait_for(actor.shutdown(), 120)
+
+
+async def _alternate(actor: Any, rc: RolloutConfig, groups: int, passes: int) -> dict[str, Any]:
     engine = actor.engine
     buffer = PassBuffer()
     loop_task = asyncio.create_task(actor.run(buffer))
@@ -127,18 +145,20 @@ async def _rlray_passes(model: ModelConfig, rc: RolloutConfig, groups: int, pass
         before = buffer.tokens
         t0 = time.perf_counter()
         buffer.open_pass(groups)
-        await buffer.done.wait()
+        await asyncio.wait_for(buffer.done.wait(), PASS_TIMEOUT_S)
+        if buffer.failed:
+            raise RuntimeError(f"RolloutActor failed {buffer.failed} group(s); last error: {actor.last_error}")
         return time.perf_counter() - t0, buffer.tokens - before
 
-    for r in range(passes + 1):  # the actor draws prompt block r; the engine gets the same block
+    for r in range(passes + 1):
         order = [("rlray RolloutActor.run", actor_pass), ("rlray Engine.generate", lambda r=r: engine_pass(r))]
         for path, one_pass in order if r % 2 == 0 else order[::-1]:
-            seconds, tokens = await one_pass()
+            seconds, tokens = await asyncio.wait_for(one_pass(), PASS_TIMEOUT_S)
+            print(f"    {path}: pass {r} {tokens} tokens in {seconds:.3f}s", flush=True)
             if r:
                 out[path].append({"seconds": seconds, "tokens": tokens})
     await actor.stop()
-    await loop_task
-    await actor.shutdown()
+    await asyncio.wait_for(loop_task, 60)
     return out
 
 
@@ -160,13 +180,26 @@ def _worker_main(argv: list[str]) -> None:
     Path(a.out).write_text(json.dumps(result))
 
 
+def run_in_own_group(cmd: list[str], timeout: float) -> None:
+    """Run `cmd`; past `timeout`, kill it with every process it started (vLLM's engine core too)."""
+    proc = subprocess.Popen(cmd, start_new_session=True)
+    try:
+        code = proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        raise
+    if code:
+        raise subprocess.CalledProcessError(code, cmd)
+
+
 def _spawn(worker: str, model: str, groups: int, passes: int) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")
         cmd = [sys.executable, "-m", "rlray.bench.rollout_gen", "--worker", worker, "--model", model,
                "--groups", str(groups), "--passes", str(passes), "--out", out]
         t0 = time.perf_counter()
-        subprocess.run(cmd, check=True, timeout=1800)
+        run_in_own_group(cmd, WORKER_TIMEOUT_S)
         print(f"  {model}: {worker} process took {time.perf_counter() - t0:.1f}s (engine start-up included)",
               flush=True)
         return json.loads(Path(out).read_text())

@@ -30,7 +30,7 @@ MODELS: dict[str, dict[str, int]] = {
     "tiny2": {"num_layers": 2},  # the test suite's 2-layer tiny model
     "tiny": {},  # the default recipe's model (~1M parameters)
     "small": {"hidden_size": 512, "num_layers": 8, "num_heads": 8, "num_kv_heads": 4, "head_dim": 64,
-                  "intermediate_size": 1536},  # ~26M parameters
+              "intermediate_size": 1536},  # ~25M parameters
 }
 QUICK = {"models": ["tiny2"], "batch": 32, "rounds": 3, "steps": 1, "warmup": 1}
 FULL = {"models": ["tiny", "small"], "batch": 128, "rounds": 12, "steps": 1, "warmup": 2}

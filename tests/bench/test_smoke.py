@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -22,18 +23,25 @@ REPO = Path(__file__).resolve().parents[2]
 def bench(name: str, tmp_path: Path, *extra: str, timeout: float = 600.0) -> tuple[str, dict[str, Any]]:
     out = tmp_path / f"{name}.json"
     env = {**os.environ, "WANDB_MODE": "disabled", "TOKENIZERS_PARALLELISM": "false"}
-    proc = subprocess.run([sys.executable, "-m", "rlray.bench", name, "--quick", "--out", str(out), *extra],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout, check=False)
-    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
-    assert f"== rlray.bench {name} (quick) ==" in proc.stdout
-    assert "ratios:" in proc.stdout
+    cmd = [sys.executable, "-m", "rlray.bench", name, "--quick", "--out", str(out), *extra]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)  # its own process group: a timeout kills vLLM's children too
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        pytest.fail(f"{' '.join(cmd)} ran past {timeout}s\n{stdout[-4000:]}\n{stderr[-4000:]}")
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{stdout[-3000:]}\n{stderr[-5000:]}"
+    assert f"== rlray.bench {name} (quick) ==" in stdout
+    assert "ratios:" in stdout
     report = json.loads(out.read_text())
     assert report["name"] == name and report["quick"] is True
     assert report["rows"] and report["ratios"] and report["seconds"] > 0
     assert report["machine"]["cpus"] >= 1 and report["machine"]["torch"]
     for key, value in report["ratios"].items():
         assert isinstance(value, float) and math.isfinite(value) and value > 0, (key, value)
-    return proc.stdout, report
+    return stdout, report
 
 
 def positive(rows: list[dict[str, Any]], *keys: str) -> None:
