@@ -8,7 +8,8 @@ Contract:
 - `put(groups)` computes per-group advantages, drops zero-advantage groups when
   `filter_zero_advantage` is on (counted, ticket returned) and queues the rest.
 - `get_batch(step)` waits until G fresh groups are queued, drops (and counts) groups
-  older than `step - k`, and returns one list of packed micro-batches per trainer rank.
+  older than `step - k`, and returns one list of packed micro-batches per trainer rank
+  (with one rank, that rank's list itself: what Ray's `num_returns=1` hands the trainer).
 - `step_stats(step)` returns the rewards, lags and drop counts of that batch.
 - `state()` / `load_state()` round-trip the counters for resume.
 Methods are coroutines so one actor serves puts while a get_batch waits.
@@ -78,7 +79,7 @@ class BufferActor:
         self.released += dropped
         self.queue = deque(fresh)
 
-    async def get_batch(self, step: int) -> list[list[MicroBatch]]:
+    async def get_batch(self, step: int) -> list[list[MicroBatch]] | list[MicroBatch]:
         async with self._ready:
             while True:
                 self._drop_stale(step)
@@ -87,7 +88,8 @@ class BufferActor:
                 await self._ready.wait()
             groups = [self.queue.popleft() for _ in range(self.G)]
         self._stats[step] = self._batch_stats(step, groups)
-        return pack(self._samples(groups), self.num_ranks, self.micro_batch_tokens, self.pad_id)
+        per_rank = pack(self._samples(groups), self.num_ranks, self.micro_batch_tokens, self.pad_id)
+        return per_rank if self.num_ranks > 1 else per_rank[0]
 
     def _samples(self, groups: list[Group]) -> list[Sample]:
         return [

@@ -186,7 +186,7 @@ class Controller:
         for step in range(first, c.rl.steps):
             t0 = time.perf_counter()
             batch = self.h.buffer.get_batch.options(num_returns=n).remote(step)
-            batch = [batch] if n == 1 else batch
+            batch = [batch] if n == 1 else batch  # num_returns=1 gives one ref, not a list
             outs = ray.get([t.train_step.remote(b) for t, b in zip(self.h.trainers, batch)])
             values = {**ray.get(self.h.buffer.step_stats.remote(step)), **outs[0]}
             if (step + 1) % c.rl.sync_every == 0:

@@ -65,7 +65,7 @@ class TrainerActor:
             apply_fsdp(self.ref_model, mesh, self.cfg.param_dtype)
         self.loss_fn = get_loss(self.algo.loss)
         self.set_stage(self.cfg.lr, 0)
-        n = sum(p.numel() for p in self.model.parameters()) * self.world_size
+        n = sum(p.numel() for p in self.model.parameters())  # DTensor numel is the full size
         return {"rank": self.rank, "pid": os.getpid(), "params_approx": int(n)}
 
     def set_stage(self, lr: float, warmup_steps: int) -> None:

@@ -16,9 +16,9 @@ def records(run_dir: str, stage: str) -> list[dict]:
     return [r for r in map(json.loads, lines) if r["stage"] == stage]
 
 
-@pytest.mark.parametrize("k", [0, 2])
-def test_rl_steps_run_with_bounded_staleness(ray_cluster, tmp_path, k: int) -> None:
-    c = tiny_config(tmp_path, async_={"max_off_policy_steps": k}, rl={"steps": 6})
+@pytest.mark.parametrize("k, ranks", [(0, 2), (2, 2), (1, 1)])
+def test_rl_steps_run_with_bounded_staleness(ray_cluster, tmp_path, k: int, ranks: int) -> None:
+    c = tiny_config(tmp_path, async_={"max_off_policy_steps": k}, rl={"steps": 6}, trainer={"num_ranks": ranks})
     summary = run(c)
     rl = records(c.run.dir, "rl")
     assert [r["step"] for r in rl] == list(range(6))

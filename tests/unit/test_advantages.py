@@ -56,7 +56,7 @@ def test_overlong_filter_masks_truncated_completions() -> None:
         buf = BufferActor(AlgoConfig(overlong_filter=True), groups_per_step=1, max_off_policy_steps=0,
                           num_ranks=1, micro_batch_tokens=4096, pad_id=0)
         await buf.put([Group([rollout(1.0, n=3, finish="length"), rollout(0.0, n=2)])])
-        (mbs,) = await buf.get_batch(0)
+        mbs = await buf.get_batch(0)  # one rank: its own micro-batches
         assert mbs[0].loss_mask.sum() == 2  # only the finished completion trains
         assert mbs[0].num_loss_tokens_global == 2 and mbs[0].num_sequences_global == 1
         assert (await buf.step_stats(0))["truncated_frac"] == 0.5
@@ -77,7 +77,7 @@ def test_dynamic_sampling_keeps_sampling_until_the_batch_is_full() -> None:
         await buf.put([Group([rollout(0.0), rollout(0.0)])])  # dropped too
         assert await buf.reserve(0, 10) == 1
         await buf.put([Group([rollout(0.0), rollout(0.5)])])
-        (mbs,) = await asyncio.wait_for(task, 1)
+        mbs = await asyncio.wait_for(task, 1)  # one rank: its own micro-batches
         stats = await buf.step_stats(0)
         assert stats["zero_adv_dropped"] == 2
         assert sum(mb.num_sequences_global for mb in mbs[:1]) == 4
