@@ -10,8 +10,10 @@ Contract:
   after `timeout_s`.
 - `WeightSender.send` copies each full tensor into a preallocated flat buffer and broadcasts
   each bucket as soon as it is full, in plan order. `WeightReceiver.iter_weights` receives
-  the same buckets and yields `(name, tensor)` pairs: a view into the receive buffer (valid
-  until the next bucket) unless the tensor's layer spans buckets, then a copy.
+  the same buckets and yields `(name, view)` pairs into its receive buffers; a buffer is
+  received into again only once nothing else holds a view of it, so a consumer may keep
+  views as long as it likes (vLLM keeps a layer's tensors until the layer is complete, and
+  a padded layer's until the end of the reload).
 - `WorkerExtension` is mixed into vLLM's worker (`worker_extension_cls="rlray.weights.WorkerExtension"`)
   and driven through `collective_rpc`. vllm is imported only inside its methods.
 """
@@ -224,49 +226,64 @@ def _check_matches(spec: TensorSpec, name: str, tensor: torch.Tensor) -> None:
                          "send full (unsharded) tensors")
 
 
-def layer_key(name: str) -> str:
-    """A unit that vLLM's reload buffers until complete, coarsened to the decoder layer.
+_use_count = getattr(torch._C, "_storage_Use_Count", None)
 
-    `model.layers.3.self_attn.q_proj.weight` → `model.layers.3`; `lm_head.weight` → `lm_head`.
+
+def _storage_refs(tensor: torch.Tensor) -> int:
+    """References to `tensor`'s storage; without torch's counter every buffer reads as viewed."""
+    if _use_count is None:
+        return 1 << 62
+    return _use_count(tensor.untyped_storage()._cdata)
+
+
+class BufferPool:
+    """Flat receive buffers, a list per dtype; `take` never returns one that is still viewed.
+
+    A buffer counts as free when its storage has no more references than it had when it was
+    allocated, i.e. every view handed out of it has been dropped.
     """
-    parts = name.split(".")
-    for i, part in enumerate(parts):
-        if part.isdigit():
-            return ".".join(parts[: i + 1])
-    return ".".join(parts[:-1])
 
+    def __init__(self, plan: list[Bucket], device: torch.device) -> None:
+        self.sizes: dict[str, int] = {}
+        for bucket in plan:
+            self.sizes[bucket.dtype] = max(self.sizes.get(bucket.dtype, 0), bucket.numel)
+        self.device = device
+        self.free_refs: dict[str, list[tuple[torch.Tensor, int]]] = {name: [] for name in self.sizes}
 
-def spanning_names(plan: list[Bucket]) -> frozenset[str]:
-    """Tensors whose layer continues into a later bucket."""
-    last_bucket: dict[str, int] = {}
-    for index, bucket in enumerate(plan):
-        for spec in bucket.tensors:
-            last_bucket[layer_key(spec.name)] = index
-    return frozenset(spec.name for index, bucket in enumerate(plan) for spec in bucket.tensors
-                     if last_bucket[layer_key(spec.name)] > index)
+    def take(self, dtype: str) -> torch.Tensor:
+        pool = self.free_refs[dtype]
+        for flat, refs in pool:
+            if _storage_refs(flat) <= refs:
+                return flat
+        flat = torch.empty(self.sizes[dtype], dtype=to_dtype(dtype), device=self.device)
+        pool.append((flat, 0 if _use_count is None else _storage_refs(flat)))
+        return flat
+
+    def trim(self, keep: int = 2) -> None:
+        """Forget buffers still viewed (their views keep them alive) and all but `keep` free ones."""
+        for dtype, pool in self.free_refs.items():
+            self.free_refs[dtype] = [(f, r) for f, r in pool if _storage_refs(f) <= r][:keep]
+
+    def __len__(self) -> int:
+        return sum(len(pool) for pool in self.free_refs.values())
 
 
 class WeightReceiver:
-    """Rank > 0 of a weight group: receives buckets into preallocated buffers.
-
-    vLLM's in-place reload holds on to a layer's tensors until the whole layer has arrived,
-    so tensors of a layer that continues into a later bucket are yielded as copies; all
-    others are views into the receive buffer, valid until the next bucket.
-    """
+    """Rank > 0 of a weight group: receives each bucket into a free pooled buffer."""
 
     def __init__(self, plan: list[Bucket], group: WeightGroup) -> None:
         assert group.rank > 0, "a receiver cannot be rank 0 of the weight group"
         self.plan = plan
         self.group = group
-        self.buffers = allocate_buffers(plan, group.device)
-        self.copied = spanning_names(plan)
+        self.pool = BufferPool(plan, group.device)
 
     def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         for bucket in self.plan:
-            flat = self.buffers[bucket.dtype]
+            flat = self.pool.take(bucket.dtype)
             self.group.broadcast(flat[: bucket.numel])
-            for name, view in iter_bucket_views(bucket, flat):
-                yield name, view.clone() if name in self.copied else view
+            yield from iter_bucket_views(bucket, flat)
+            del flat
+        self.pool.trim()
 
 
 class WorkerExtension:

@@ -16,17 +16,13 @@ import pytest
 import torch
 
 from rlray.bench.common import LoopThread
+from rlray.config import ModelConfig
+from rlray.data.tokenizer import char_tokenizer
 from rlray.engine import Engine
+from rlray.models import tiny
 from rlray.weights import WeightSender, open_weight_group, plan_buckets
 
 pytest.importorskip("vllm")
-
-
-CHARS = list("abcdefghijklmnopqrstuvwxyz0123456789:= ABCDEFGHIJKLMNOPQRSTU")
-SPECIALS = ["<pad>", "<bos>", "<|im_end|>", "<unk>"]
-VOCAB = SPECIALS + CHARS  # 64 tokens, no padding ids
-
-
 
 
 @pytest.fixture(scope="module")
@@ -36,41 +32,32 @@ def loop_thread() -> Iterator[LoopThread]:
     lt.close()
 
 
-def build_tokenizer(path: Path) -> None:
-    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
+def build_model(path: Path, *, tied: bool) -> torch.nn.Module:
+    """rlray's tiny Qwen3 (vocab 51, which vLLM pads to 64), its init sharpened so sampling
+    temperature visibly changes the distribution."""
+    from transformers import AutoModelForCausalLM
 
-    tok = Tokenizer(models.WordLevel({t: i for i, t in enumerate(VOCAB)}, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<|im_end|>",
-                                   pad_token="<pad>", unk_token="<unk>")
-    fast.save_pretrained(path)
-
-
-def build_model(path: Path, *, tied: bool = False, seed: int = 0) -> torch.nn.Module:
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    config = Qwen3Config(
-        vocab_size=len(VOCAB), hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=32, intermediate_size=256, max_position_embeddings=256,
-        tie_word_embeddings=tied, bos_token_id=1, eos_token_id=2, pad_token_id=0,
-        initializer_range=0.1,
-    )
-    torch.manual_seed(seed)
-    model = Qwen3ForCausalLM(config).float().eval()
+    tiny.build(ModelConfig(num_layers=2, intermediate_size=256, tie_word_embeddings=tied), path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(0)
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.08)
     model.save_pretrained(path)
-    build_tokenizer(path)
     return model
 
 
+TOKENIZER = char_tokenizer()
+
+
 def encode(text: str) -> list[int]:
-    return [VOCAB.index(c) for c in text]
+    return TOKENIZER(text, add_special_tokens=False)["input_ids"]
 
 
 # The CPU worker counts its own RSS (~0.7 GiB) against gpu_memory_utilization; a fixed KV size is robust.
 ENGINE_KWARGS = {"dtype": "float32", "enforce_eager": True, "kv_cache_memory_bytes": 64 << 20}
 BUCKET_BYTES = 64 * 1024  # smaller than one layer: fused q/k/v and gate/up span buckets
-PROMPT = [1] + encode("rev:hello=")
+PROMPT = [TOKENIZER.bos_token_id] + encode("rev:hello=")
 TOKENS = PROMPT + encode("ollehabc0123")
 
 

@@ -10,15 +10,14 @@ import torch
 
 from rlray.weights import (
     Bucket,
+    BufferPool,
     WeightReceiver,
     WeightSender,
     iter_bucket_views,
-    layer_key,
     open_weight_group,
     plan_buckets,
     plan_from_wire,
     plan_to_wire,
-    spanning_names,
 )
 
 
@@ -79,23 +78,31 @@ def test_iter_bucket_views_are_views() -> None:
     assert views["y"].data_ptr() == flat.data_ptr() + 6 * 4
 
 
-def test_layer_key() -> None:
-    assert layer_key("model.layers.3.self_attn.q_proj.weight") == "model.layers.3"
-    assert layer_key("model.layers.12.mlp.experts.gate_up_proj") == "model.layers.12"
-    assert layer_key("model.embed_tokens.weight") == "model.embed_tokens"
-    assert layer_key("lm_head.weight") == "lm_head"
+def test_pool_never_hands_out_a_viewed_buffer() -> None:
+    plan = plan_buckets([("a", (4,), torch.float32), ("b", (4,), torch.float32),
+                         ("c", (2,), torch.bfloat16)], bucket_bytes=16)
+    pool = BufferPool(plan, torch.device("cpu"))
+    first = pool.take("float32")
+    assert pool.take("float32") is first  # nothing views it
+    held = first[:2].view(2, 1).t()  # a view of a view still holds the storage
+    second = pool.take("float32")
+    assert second is not first and second.numel() == 4
+    del held
+    assert pool.take("float32") is first
+    assert pool.take("bfloat16").dtype == torch.bfloat16 and len(pool) == 3
 
 
-def test_spanning_names_marks_layers_split_across_buckets() -> None:
-    f = torch.float32
-    params = [("model.embed_tokens.weight", (16,), f),
-              ("model.layers.0.q.weight", (8,), f), ("model.layers.0.k.weight", (8,), f),
-              ("model.layers.1.q.weight", (8,), f), ("lm_head.weight", (16,), f)]
-    plan = plan_buckets(params, bucket_bytes=96)  # [embed, l0.q], [l0.k, l1.q], [lm_head]
-    assert [[t.name for t in b.tensors] for b in plan] == [
-        ["model.embed_tokens.weight", "model.layers.0.q.weight"],
-        ["model.layers.0.k.weight", "model.layers.1.q.weight"], ["lm_head.weight"]]
-    assert spanning_names(plan) == {"model.layers.0.q.weight"}
+def test_pool_trim_keeps_free_buffers_only() -> None:
+    pool = BufferPool(plan_buckets([("a", (4,), torch.float32)], bucket_bytes=16), torch.device("cpu"))
+    views = []
+    for _ in range(4):
+        views.append(pool.take("float32")[:1])
+    views.pop()
+    first = views[0]
+    pool.trim(keep=1)
+    assert len(pool) == 1  # three buffers are still viewed; one of them is free
+    first.fill_(7.0)
+    assert float(first) == 7.0  # a trimmed buffer lives on through its view
 
 
 def test_plan_is_picklable() -> None:
@@ -148,6 +155,7 @@ def test_gloo_send_receive_exact() -> None:
     port = free_port()
     received: dict[str, torch.Tensor] = {}
     sent_bytes: list[int] = []
+    pooled: list[int] = []
 
     def sender() -> None:
         group = open_weight_group("127.0.0.1", port, 0, 2, "gloo", timeout_s=30)
@@ -162,7 +170,8 @@ def test_gloo_send_receive_exact() -> None:
         for _ in range(2):
             received.clear()
             for name, view in recv.iter_weights():
-                received[name] = view.clone()  # a view lives only until the next bucket
+                received[name] = view  # held across buckets, like vLLM's reload of a padded layer
+            pooled.append(len(recv.pool))
         group.close()
 
     run_pair(sender, receiver)
@@ -171,6 +180,7 @@ def test_gloo_send_receive_exact() -> None:
         assert received[name].dtype == tensor.dtype
         assert torch.equal(received[name], tensor), name
     assert sent_bytes[0] == sum(t.numel() * t.element_size() for _, t in tensors)
+    assert pooled == [0, 0]  # every buffer was still viewed when its sync ended
 
 
 def test_sender_rejects_wrong_name_and_shape() -> None:
