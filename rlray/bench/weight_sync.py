@@ -155,7 +155,9 @@ class Peer:
     def prepare(self, bucket_bytes: int) -> int:
         """Allocate the sender's/receiver's buffers for `bucket_bytes` outside the timed region."""
         endpoint = self._endpoint(bucket_bytes)
-        for buf in endpoint.buffers.values():
+        pool = getattr(endpoint, "pool", None)  # a receiver's buffers come from its pool
+        buffers = [pool.take(d) for d in pool.sizes] if pool is not None else endpoint.buffers.values()
+        for buf in buffers:
             buf.zero_()
         return len(endpoint.plan)
 
