@@ -14,7 +14,7 @@ import dataclasses
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from omegaconf import II, DictConfig, OmegaConf
 
@@ -197,7 +197,7 @@ class CheckpointConfig:
 
 @dataclass
 class ClusterConfig:
-    address: Optional[str] = None  # None: start a local Ray, unless RAY_ADDRESS is set
+    address: str | None = None  # None: start a local Ray, unless RAY_ADDRESS is set
     num_cpus: int = 8  # logical CPUs declared for a local Ray (fractional bundles fit)
     num_gpus: int = 0
     dashboard_host: str = "127.0.0.1"

@@ -28,27 +28,27 @@ ARCHS = ("qwen3", "qwen3_moe", "glm4_moe", "llama")
 
 
 def _common(cfg: ModelConfig, vocab: int, tok) -> dict:
-    return dict(
-        vocab_size=vocab,
-        hidden_size=cfg.hidden_size,
-        num_hidden_layers=cfg.num_layers,
-        num_attention_heads=cfg.num_heads,
-        num_key_value_heads=cfg.num_kv_heads,
-        head_dim=cfg.head_dim,
-        intermediate_size=cfg.intermediate_size,
-        max_position_embeddings=512,
-        tie_word_embeddings=cfg.tie_word_embeddings,
-        bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id,
-    )
+    return {
+        "vocab_size": vocab,
+        "hidden_size": cfg.hidden_size,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads,
+        "head_dim": cfg.head_dim,
+        "intermediate_size": cfg.intermediate_size,
+        "max_position_embeddings": 512,
+        "tie_word_embeddings": cfg.tie_word_embeddings,
+        "bos_token_id": tok.bos_token_id,
+        "eos_token_id": tok.eos_token_id,
+        "pad_token_id": tok.pad_token_id,
+    }
 
 
 def hf_config(cfg: ModelConfig, vocab: int, tok) -> PretrainedConfig:
     from transformers import Glm4MoeConfig, LlamaConfig, Qwen3Config, Qwen3MoeConfig
 
     base = _common(cfg, vocab, tok)
-    moe = dict(num_experts_per_tok=cfg.experts_per_token, moe_intermediate_size=cfg.moe_intermediate_size)
+    moe = {"num_experts_per_tok": cfg.experts_per_token, "moe_intermediate_size": cfg.moe_intermediate_size}
     if cfg.arch == "qwen3":
         return Qwen3Config(**base)
     if cfg.arch == "llama":

@@ -22,7 +22,7 @@ def data_parallel_mesh(device_type: str, world_size: int) -> DeviceMesh:
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
     layers = getattr(getattr(model, "model", None), "layers", None)
     if not isinstance(layers, nn.ModuleList):
-        raise ValueError(f"{type(model).__name__} has no model.layers ModuleList; cannot apply FSDP per layer")
+        raise TypeError(f"{type(model).__name__} has no model.layers ModuleList; cannot apply FSDP per layer")
     return layers
 
 

@@ -22,7 +22,7 @@ def scrape() -> str:
 
 def values(text: str, name: str) -> list[float]:
     name = f"ray_{name}"  # Ray prefixes application metrics
-    return [float(v) for v in re.findall(rf"^{name}\{{[^}}]*\}} ([-+0-9.eE]+)$", text, flags=re.M)]
+    return [float(v) for v in re.findall(rf"^{name}\{{[^}}]*\}} ([-+0-9.eE]+)$", text, flags=re.MULTILINE)]
 
 
 def test_metrics_endpoint_has_rlray_gauges(ray_cluster, tmp_path) -> None:

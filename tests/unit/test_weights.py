@@ -135,7 +135,7 @@ def run_pair(sender_fn, receiver_fn) -> None:  # type: ignore[no-untyped-def]
     def guarded(fn) -> None:  # type: ignore[no-untyped-def]
         try:
             fn()
-        except BaseException as e:  # noqa: BLE001
+        except BaseException as e:
             errors.append(e)
 
     threads = [threading.Thread(target=guarded, args=(fn,)) for fn in (sender_fn, receiver_fn)]
