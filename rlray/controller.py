@@ -84,7 +84,7 @@ class Controller:
         `eval_results.jsonl`, logs an `eval` record (mean reward, pass@k, per environment when
         several) to the metrics, and returns the mean reward over every sample.
         """
-        from rlray.envs.runner import summarize
+        from rlray.envs.evaluation import summarize
 
         e = self.c.eval
         max_tokens = e.max_tokens if isinstance(e.max_tokens, int) else self.c.rollout.max_tokens

@@ -31,192 +31,26 @@ Contract:
   rubric scores them exactly as it scores HTTP rollouts. Everything else goes over HTTP.
 - `evaluate(env, indices, n, temperature, max_tokens)` runs rows of the eval split and
   returns one record per example (prompt, answer, completions, rewards, errors).
-  `pass_at_k(n, c, k)` is the unbiased estimator of Chen et al. (2021).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextvars
-import functools
-import inspect
 import logging
 import random
 from collections import Counter
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
-from math import comb
 from typing import Any
 
 import numpy as np
 
 from rlray.envs.base import Env, prompt_text
+from rlray.envs.instrument import CURRENT, ToolTimeoutError, Tracker, error_kind, instrument_env
 from rlray.types import Rollout
 
 log = logging.getLogger(__name__)
 MODEL = "rlray"  # the served model name (rlray.server.SERVED_MODEL_NAME)
 
-
-class ToolTimeoutError(Exception):
-    """A tool call ran past `env.tool_timeout_s`."""
-
-
-@dataclass
-class _Tracker:
-    """What one rollout learned outside verifiers' state: its start version, its errors, its state."""
-
-    version: int
-    errors: list[str] = field(default_factory=list)
-    state: Any = None
-
-
-_CURRENT: contextvars.ContextVar[_Tracker | None] = contextvars.ContextVar("rlray_rollout", default=None)
-_REWARD_ERRORS: contextvars.ContextVar[list[str] | None] = contextvars.ContextVar("rlray_reward_errors", default=None)
-
-
-def pass_at_k(n: int, c: int, k: int) -> float:
-    """Probability that at least one of k samples drawn from n (c of them correct) is correct."""
-    if k > n:
-        raise ValueError(f"pass@{k} needs at least {k} samples per example, got {n}")
-    if n - c < k:
-        return 1.0
-    return 1.0 - comb(n - c, k) / comb(n, k)
-
-
-def error_kind(error: str | None) -> str | None:
-    return None if error is None else error.split(":", 1)[0]
-
-
-# ---- instrumentation of a loaded verifiers environment -------------------------------
-def _recording(func: Callable) -> Callable:
-    """`func`, plus: an exception it raises is appended to the current reward-error list."""
-    name = getattr(func, "__name__", repr(func))
-
-    @functools.wraps(func)
-    async def call(*args: Any, **kwargs: Any) -> Any:
-        try:
-            out = func(*args, **kwargs)
-            return await out if inspect.isawaitable(out) else out
-        except Exception as e:
-            sink = _REWARD_ERRORS.get()
-            if sink is not None:
-                sink.append(f"RewardError: {name}: {type(e).__name__}: {e}")
-            raise
-
-    call.__signature__ = inspect.signature(func)  # type: ignore[attr-defined]
-    return call
-
-
-def _cache_signature(func: Callable) -> None:
-    """verifiers inspects every reward function's signature on every call; compute it once."""
-    target = getattr(func, "__func__", func)  # a bound method's function
-    try:
-        if "__signature__" not in getattr(target, "__dict__", {}):
-            target.__signature__ = inspect.signature(target)
-    except (AttributeError, TypeError, ValueError):
-        pass
-
-
-def _state_errors(state: Any) -> list[str]:
-    return dict.setdefault(state, "rlray_reward_errors", [])
-
-
-def instrument_rubric(rubric: Any) -> None:
-    """Reward functions keep failing softly (verifiers scores them 0), but rlray hears of it."""
-    for child in getattr(rubric, "rubrics", None) or []:
-        instrument_rubric(child)
-    if getattr(rubric, "_rlray_instrumented", False):
-        return
-    rubric._rlray_instrumented = True
-    for func in rubric.funcs:
-        _cache_signature(func)
-    individual, group = rubric._call_individual_reward_func, rubric._call_group_reward_func
-    wrapped: dict[int, Callable] = {}
-
-    def rec(func: Callable) -> Callable:
-        if id(func) not in wrapped:
-            wrapped[id(func)] = _recording(func)
-        return wrapped[id(func)]
-
-    async def call_individual(func: Callable, state: Any) -> float:
-        token = _REWARD_ERRORS.set(_state_errors(state))
-        try:
-            return await individual(rec(func), state)
-        finally:
-            _REWARD_ERRORS.reset(token)
-
-    async def call_group(func: Callable, states: list) -> list[float]:
-        sink: list[str] = []
-        token = _REWARD_ERRORS.set(sink)
-        try:
-            return await group(rec(func), states)
-        finally:
-            _REWARD_ERRORS.reset(token)
-            for s in states:
-                _state_errors(s).extend(sink)
-
-    rubric._call_individual_reward_func = call_individual
-    rubric._call_group_reward_func = call_group
-
-
-_TOOL_THREADS: ThreadPoolExecutor | None = None
-
-
-def _tool_threads() -> ThreadPoolExecutor:
-    global _TOOL_THREADS
-    if _TOOL_THREADS is None:  # its own pool: hung tools must not starve the loop's default executor
-        _TOOL_THREADS = ThreadPoolExecutor(max_workers=64, thread_name_prefix="rlray-tool")
-    return _TOOL_THREADS
-
-
-def _timed_tool(fn: Callable, name: str, timeout: float) -> Callable:
-    """Sync tools run in a thread (a hang must not block the event loop); every call is bounded."""
-
-    @functools.wraps(fn)
-    async def call(*args: Any, **kwargs: Any) -> Any:
-        if inspect.iscoroutinefunction(fn):
-            work = fn(*args, **kwargs)
-        else:
-            ctx = contextvars.copy_context()
-            work = asyncio.get_running_loop().run_in_executor(
-                _tool_threads(), functools.partial(ctx.run, fn, *args, **kwargs))
-        try:
-            out = await asyncio.wait_for(work, timeout)
-            return await asyncio.wait_for(out, timeout) if inspect.isawaitable(out) else out
-        except TimeoutError:
-            message = f"ToolTimeout: tool '{name}' ran past env.tool_timeout_s={timeout}s"
-            tracker = _CURRENT.get()
-            if tracker is not None:
-                tracker.errors.append(message)
-            raise ToolTimeoutError(message) from None
-
-    return call
-
-
-def instrument_env(env: Env, tool_timeout_s: float) -> None:
-    vf_env = env.vf
-    if getattr(vf_env, "_rlray_instrumented", False):
-        return
-    vf_env._rlray_instrumented = True
-    instrument_rubric(vf_env.rubric)
-    tool_map = getattr(vf_env, "tool_map", None)
-    if isinstance(tool_map, dict):
-        for name, fn in list(tool_map.items()):
-            tool_map[name] = _timed_tool(fn, name, tool_timeout_s)
-        stop = getattr(vf_env, "stop_errors", None)
-        if isinstance(stop, list) and ToolTimeoutError not in stop:
-            stop.append(ToolTimeoutError)  # a timed-out tool ends the rollout
-    init_state = vf_env.init_state
-
-    async def tracked_init_state(*args: Any, **kwargs: Any) -> Any:
-        state = await init_state(*args, **kwargs)
-        tracker = _CURRENT.get()
-        if tracker is not None:
-            tracker.state = state  # kept even when the rollout raises later
-        return state
-
-    vf_env.init_state = tracked_init_state
 
 
 def make_clients(base_url: str, timeout_s: float, n: int = 8, connections: int = 16) -> list[Any]:
@@ -320,9 +154,9 @@ class EnvRunner:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     # ---- the two paths ----------------------------------------------------------
-    async def _http(self, env: Env, row: dict, sampling: dict, client: Any) -> _Tracker:
-        tracker = _Tracker(version=self.version())
-        token = _CURRENT.set(tracker)
+    async def _http(self, env: Env, row: dict, sampling: dict, client: Any) -> Tracker:
+        tracker = Tracker(version=self.version())
+        token = CURRENT.set(tracker)
         try:
             tracker.state = await asyncio.wait_for(env.vf.rollout(row, client, MODEL, sampling),
                                                    self.cfg.rollout_timeout_s)
@@ -334,7 +168,7 @@ class EnvRunner:
         except Exception as e:
             tracker.errors.append(f"EnvError: {type(e).__name__}: {e}")
         finally:
-            _CURRENT.reset(token)
+            CURRENT.reset(token)
         err = tracker.state.get("error") if tracker.state is not None else None
         if err is not None and not isinstance(err.__cause__, ToolTimeoutError):
             cause = f" ({type(err.__cause__).__name__}: {err.__cause__})" if err.__cause__ else ""
@@ -342,12 +176,12 @@ class EnvRunner:
         return tracker
 
     async def _fast(self, env: Env, row: dict, n: int, temperature: float, max_tokens: int,
-                    sampling: dict, client: Any) -> list[_Tracker]:
+                    sampling: dict, client: Any) -> list[Tracker]:
         import verifiers as vf
         from verifiers.types import TrajectoryStep
 
         start = self.version()
-        trackers = [_Tracker(version=start) for _ in range(n)]
+        trackers = [Tracker(version=start) for _ in range(n)]
         try:
             prompt_ids = self.render(row["prompt"])
         except Exception as e:
@@ -378,7 +212,7 @@ class EnvRunner:
         return trackers
 
     # ---- scoring and assembly ---------------------------------------------------
-    async def _score(self, env: Env, trackers: list[_Tracker]) -> None:
+    async def _score(self, env: Env, trackers: list[Tracker]) -> None:
         scored = [t for t in trackers if t.state is not None and not t.errors]
         rubric = env.vf.rubric
         if scored:
@@ -409,7 +243,7 @@ class EnvRunner:
             return [default] * n
         return self.server.versions(response.id, n, default)
 
-    def _rollout(self, env: Env, row: dict, t: _Tracker) -> Rollout:
+    def _rollout(self, env: Env, row: dict, t: Tracker) -> Rollout:
         state = t.state
         steps = list(state.get("trajectory") or []) if state is not None else []
         turns = []  # (prompt ids, completion ids, logprobs, versions, step); reading versions frees their record
@@ -479,17 +313,3 @@ class EnvRunner:
             reward=reward, reward_parts=parts, env_id=env.id, example_id=int(row.get("example_id", -1)),
             finish_reason=finish, error=error, text=self.tokenizer.decode(ids, skip_special_tokens=True),
         )
-
-
-def summarize(records: list[dict[str, Any]], pass_k: list[int], threshold: float) -> dict[str, float]:
-    """Mean reward (over every sample) and pass@k (mean over examples) of evaluation records."""
-    if not records:
-        return {}
-    rewards = [r for rec in records for r in rec["rewards"]]
-    out = {"reward_mean": float(np.mean(rewards)), "num_examples": len(records), "num_samples": len(rewards),
-           "errors": sum(e is not None for rec in records for e in rec["errors"])}
-    for k in pass_k:
-        out[f"pass@{k}"] = float(np.mean([pass_at_k(len(rec["rewards"]), sum(x >= threshold for x in rec["rewards"]), k)
-                                          for rec in records]))
-    return out
-

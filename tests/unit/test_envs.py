@@ -15,16 +15,9 @@ import pytest
 from rlray.config import EnvConfig
 from rlray.data.tokenizer import char_tokenizer
 from rlray.envs import BUILTIN, load_env, load_envs
-from rlray.envs.runner import (
-    _CURRENT,
-    EnvRunner,
-    ToolTimeoutError,
-    _timed_tool,
-    _Tracker,
-    instrument_rubric,
-    pass_at_k,
-    summarize,
-)
+from rlray.envs.evaluation import pass_at_k, summarize
+from rlray.envs.instrument import CURRENT, ToolTimeoutError, Tracker, _timed_tool, instrument_rubric
+from rlray.envs.runner import EnvRunner
 
 
 @pytest.fixture(scope="module")
@@ -133,7 +126,7 @@ def test_multi_turn_rollout_masks_environment_tokens(tok) -> None:
     c2 = [22, 2]
     state = {"trajectory": [step(p1, c1, [-0.1, -0.2, -0.3], [3, 3, 4]), step(p2, c2, [-0.4, -0.5], [5, 5])],
              "reward": 0.5, "metrics": {"r": 0.5}}
-    r = runner._rollout(env, {"prompt": [], "example_id": 7}, _Tracker(version=3, state=state))
+    r = runner._rollout(env, {"prompt": [], "example_id": 7}, Tracker(version=3, state=state))
     assert r.error is None and r.reward == 0.5 and r.example_id == 7
     assert r.prompt_ids.tolist() == p1
     assert r.completion_ids.tolist() == c1 + [30, 31] + c2
@@ -149,7 +142,7 @@ def test_non_extending_turn_is_flagged_and_not_trained(tok) -> None:
     p2 = [1, 10, 11, 20, 99, 2, 30]  # re-tokenised differently
     state = {"trajectory": [step(p1, c1, [-0.1] * 3, [0] * 3), step(p2, [22, 2], [-0.1] * 2, [0] * 2)],
              "reward": 1.0, "metrics": {}}
-    r = runner._rollout(runner.envs[0], {"prompt": []}, _Tracker(version=0, state=state))
+    r = runner._rollout(runner.envs[0], {"prompt": []}, Tracker(version=0, state=state))
     assert r.error.startswith("TokenMismatch: turn 2") and "token 4" in r.error
     assert r.reward == 1.0 and not r.loss_mask.any()
 
@@ -157,7 +150,7 @@ def test_non_extending_turn_is_flagged_and_not_trained(tok) -> None:
 def test_failed_rollout_gets_reward_zero_and_keeps_a_version(tok) -> None:
     runner = fake_runner(tok)
     r = runner._rollout(runner.envs[0], {"prompt": [{"role": "user", "content": "rev:abc="}]},
-                        _Tracker(version=6, errors=["EnvError: ValueError: boom"]))
+                        Tracker(version=6, errors=["EnvError: ValueError: boom"]))
     assert r.reward == 0.0 and r.error == "EnvError: ValueError: boom"
     assert r.prompt_ids.tolist() == [tok.bos_token_id] + tok("rev:abc=", add_special_tokens=False)["input_ids"]
     assert r.completion_ids.tolist() == [tok.eos_token_id] and r.loss_mask.tolist() == [0]
@@ -167,7 +160,7 @@ def test_failed_rollout_gets_reward_zero_and_keeps_a_version(tok) -> None:
 def test_rollout_without_a_model_turn_is_an_error(tok) -> None:
     runner = fake_runner(tok)
     state = {"trajectory": [], "reward": 0.3, "metrics": {}, "prompt_too_long": True}
-    r = runner._rollout(runner.envs[0], {"prompt": []}, _Tracker(version=2, state=state))
+    r = runner._rollout(runner.envs[0], {"prompt": []}, Tracker(version=2, state=state))
     assert r.error == "NoTokens: no model turn (the prompt exceeds the context window)" and r.reward == 0.0
     assert r.versions.tolist() == [2] and not r.loss_mask.any()
 
@@ -209,8 +202,8 @@ def test_hanging_sync_tool_times_out_without_blocking_the_loop() -> None:
         return x
 
     async def main() -> tuple[float, list[str], bool]:
-        tracker = _Tracker(version=0)
-        _CURRENT.set(tracker)
+        tracker = Tracker(version=0)
+        CURRENT.set(tracker)
         ticks = 0
 
         async def ticker() -> None:
