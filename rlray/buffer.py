@@ -1,12 +1,14 @@
 """BufferActor: groups in, per-rank micro-batches out, with a bounded staleness.
 
 Contract:
-- `reserve(version, want)` grants a rollout actor up to `want` group tickets. With G
-  groups per step and bound k = max_off_policy_steps, a rollout at policy version v
+- `reserve(version, want, actor)` grants rollout actor `actor` up to `want` group tickets.
+  With G groups per step and bound k = max_off_policy_steps, a rollout at policy version v
   may have started at most G*(v+k+1) groups in all, plus one for every group that
   was dropped; so rollouts never run further ahead than the trainer can use.
-- `put(groups)` computes per-group advantages, drops zero-advantage groups when
+- `put(groups, actor)` computes per-group advantages, drops zero-advantage groups when
   `filter_zero_advantage` is on (counted, ticket returned) and queues the rest.
+  `cancel(n, actor)` returns tickets of groups that were not produced; `forget(actor)`
+  returns every ticket a dead actor still held.
 - `get_batch(step)` waits until G fresh groups are queued, drops (and counts) groups
   older than `step - k`, and returns one list of packed micro-batches per trainer rank
   (with one rank, that rank's list itself: what Ray's `num_returns=1` hands the trainer).
@@ -45,21 +47,34 @@ class BufferActor:
         self.queue: deque[Group] = deque()
         self.issued = 0
         self.released = 0
+        self.held: dict[int, int] = {}  # tickets granted to each rollout actor and not yet put or cancelled
         self.counts = {"stale_dropped": 0, "zero_adv_dropped": 0, "groups_in": 0, "rollout_errors": 0}
         self._stats: dict[int, dict[str, Any]] = {}
         self._ready = asyncio.Condition()
 
-    async def reserve(self, version: int, want: int) -> int:
+    async def reserve(self, version: int, want: int, actor: int = 0) -> int:
         allowed = self.G * (version + self.k + 1) + self.released - self.issued
         granted = max(0, min(want, allowed))
         self.issued += granted
+        self.held[actor] = self.held.get(actor, 0) + granted
         return granted
 
-    async def cancel(self, n: int) -> None:
+    def _settle(self, actor: int, n: int) -> None:
+        self.held[actor] = max(0, self.held.get(actor, 0) - n)
+
+    async def cancel(self, n: int, actor: int = 0) -> None:
         """Return tickets of groups that a rollout actor failed to produce."""
+        self._settle(actor, n)
         self.released += n
 
-    async def put(self, groups: list[Group]) -> None:
+    async def forget(self, actor: int) -> int:
+        """Return the tickets a dead rollout actor held; its replacement starts with none."""
+        lost = self.held.pop(actor, 0)
+        self.released += lost
+        return lost
+
+    async def put(self, groups: list[Group], actor: int = 0) -> None:
+        self._settle(actor, len(groups))
         async with self._ready:
             for g in groups:
                 self.counts["groups_in"] += 1
@@ -125,4 +140,4 @@ class BufferActor:
     async def load_state(self, state: dict[str, Any]) -> None:
         """Counters from `state()`; tickets restart as if steps before `state["step"]` were consumed."""
         self.counts.update(state["counts"])
-        self.issued, self.released = self.G * state.get("step", 0), 0
+        self.issued, self.released, self.held = self.G * state.get("step", 0), 0, {}

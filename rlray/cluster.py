@@ -4,7 +4,8 @@ Contract: `connect(cfg)` joins `cluster.address` / `RAY_ADDRESS` or starts a loc
 (dashboard on loopback, logical CPUs declared so fractional bundles fit).
 `spawn(config)` creates one placement group for the trainer ranks and one for the
 rollout actors (bundle sizes from the config), then the named actors `trainer-i`,
-`rollout-i` and `buffer` from the plain classes. `free_address(pg, bundle)` returns
+`rollout-i` and `buffer` from the plain classes; `spawn_rollout` (re)creates one rollout
+actor in its bundle. `free_address(pg, bundle)` returns
 (ip, port) free on the node of that bundle. `teardown(handles)` kills them all.
 """
 
@@ -56,19 +57,19 @@ def free_address(pg: PlacementGroup, bundle: int) -> tuple[str, int]:
 
 
 class BufferClient:
-    """Awaitable calls on the buffer actor, for the rollout loop."""
+    """Awaitable calls on the buffer actor, for the rollout loop of rollout actor `actor`."""
 
-    def __init__(self, handle: Any) -> None:
-        self.handle = handle
+    def __init__(self, handle: Any, actor: int) -> None:
+        self.handle, self.actor = handle, actor
 
     def reserve(self, version: int, want: int) -> Any:
-        return self.handle.reserve.remote(version, want)
+        return self.handle.reserve.remote(version, want, self.actor)
 
     def put(self, groups: list) -> Any:
-        return self.handle.put.remote(groups)
+        return self.handle.put.remote(groups, self.actor)
 
     def cancel(self, n: int) -> Any:
-        return self.handle.cancel.remote(n)
+        return self.handle.cancel.remote(n, self.actor)
 
 
 @dataclass
@@ -81,6 +82,10 @@ class Handles:
     @property
     def trainer_pg(self) -> PlacementGroup:
         return self.groups[0]
+
+    @property
+    def rollout_pg(self) -> PlacementGroup:
+        return self.groups[1]
 
 
 def _pg(name: str, n: int, cpus: float, gpus: float) -> PlacementGroup:
@@ -108,17 +113,21 @@ def spawn(c: Config, pad_id: int) -> Handles:
         ).remote(i, t.num_ranks, f"{host}:{port}", c.model, t, c.algo, backend(c), r.temperature)
         for i in range(t.num_ranks)
     ]
-    rollouts = [
-        ray.remote(RolloutActor).options(
-            name=f"rollout-{i}", num_cpus=r.cpus_per_actor, num_gpus=r.gpus_per_actor, max_concurrency=1000,
-            scheduling_strategy=PlacementGroupSchedulingStrategy(rpg, placement_group_bundle_index=i),
-        ).remote(i, r.num_actors, c.model, r, c.env, c.run.seed)
-        for i in range(r.num_actors)
-    ]
+    rollouts = [spawn_rollout(c, i, rpg) for i in range(r.num_actors)]
     buffer = ray.remote(BufferActor).options(name="buffer", num_cpus=0).remote(
         c.algo, c.rl.batch_size // r.group_size, c.async_.max_off_policy_steps, t.num_ranks,
         t.micro_batch_tokens, pad_id)
     return Handles(trainers, rollouts, buffer, [tpg, rpg])
+
+
+def spawn_rollout(c: Config, index: int, pg: PlacementGroup, incarnation: int = 0) -> Any:
+    """Rollout actor `index` in bundle `index` of `pg`; a replacement is named `rollout-<index>.<incarnation>`."""
+    r = c.rollout
+    name = f"rollout-{index}" + (f".{incarnation}" if incarnation else "")
+    return ray.remote(RolloutActor).options(
+        name=name, num_cpus=r.cpus_per_actor, num_gpus=r.gpus_per_actor, max_concurrency=1000,
+        scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=index),
+    ).remote(index, r.num_actors, c.model, r, c.env, c.run.seed + 1000 * incarnation)
 
 
 def teardown(h: Handles) -> None:

@@ -71,6 +71,7 @@ class RolloutConfig:
     kv_cache_fraction: float = 0.05  # share of accelerator memory for weights + KV cache (GPU)
     kv_cache_gb: float = 0.25  # > 0: an exact KV-cache size, what the CPU backend needs; 0: use the fraction
     max_concurrent_groups: int = 64
+    max_restarts: int = 3  # rollout actors replaced after a crash during RL, in all; 0: a crash ends the run
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
@@ -323,6 +324,7 @@ def validate(c: Config) -> None:
     )
     _require(c.trainer.num_ranks >= 1, "trainer.num_ranks must be >= 1")
     _require(c.rollout.num_actors >= 1, "rollout.num_actors must be >= 1")
+    _require(c.rollout.max_restarts >= 0, f"rollout.max_restarts={c.rollout.max_restarts} must be >= 0")
     _require(c.async_.max_off_policy_steps >= 0, "async.max_off_policy_steps must be >= 0")
     _require(c.rl.sync_every >= 1, "rl.sync_every must be >= 1")
     _require(

@@ -2,7 +2,10 @@
 
 Contract: `run(config) -> summary` creates the run folder (resolved config,
 metrics.jsonl, eval samples), connects to Ray, spawns the actors, opens the weight
-group once, then runs `config.stages` in order and tears everything down. With
+group, then runs `config.stages` in order and tears everything down. A rollout actor
+that dies (or fails a weight load) is replaced in its bundle, up to `rollout.max_restarts`
+times: its buffer tickets are returned, the weight group is re-formed, the current policy
+is loaded and its RL loop resumes; training waits meanwhile and loses no step. With
 `checkpoint.every` set, RL commits a checkpoint (trainer DCP shards, policy version,
 buffer counters) at its start and every that many steps; a later run with the same
 run folder resumes from the newest committed one (an interrupted SFT restarts). The
@@ -22,6 +25,7 @@ from typing import Any
 import numpy as np
 import ray
 import yaml
+from ray.exceptions import RayActorError, RayError
 
 from rlray import checkpoint, cluster
 from rlray.config import Config
@@ -52,6 +56,9 @@ class Controller:
         self.summary: dict[str, Any] = {"run_dir": str(self.run_dir)}
         self.ckpt_root = self.run_dir / "checkpoints"
         self.version = 0
+        self.restarts = 0  # rollout actors replaced so far
+        self.runs: list[Any] = []  # each rollout actor's RL loop while RL runs (None while it is replaced)
+        self.rl_running = False
 
     # ---- set-up -------------------------------------------------------------------
     def start(self) -> None:
@@ -59,23 +66,82 @@ class Controller:
         t0 = time.perf_counter()
         self.h = cluster.spawn(self.c, pad_id=self.tokenizer.pad_token_id)
         ray.get([t.setup.remote() for t in self.h.trainers] + [r.start.remote() for r in self.h.rollouts])
-        plan = ray.get(self.h.trainers[0].weight_plan.remote(self.c.weights.bucket_mb))
-        host, port = cluster.free_address(self.h.trainer_pg, 0)
-        world = 1 + len(self.h.rollouts)
-        args = (cluster.backend(self.c), self.c.weights.timeout_s, plan)
-        ray.get([t.init_weight_group.remote(host, port, world, *args) for t in self.h.trainers]
-                + [r.init_weight_group.remote(host, port, 1 + i, world, *args)
-                   for i, r in enumerate(self.h.rollouts)])
+        self.plan = ray.get(self.h.trainers[0].weight_plan.remote(self.c.weights.bucket_mb))
+        world = self._open_weight_group()
         print(f"actors ready in {time.perf_counter() - t0:.1f}s: {len(self.h.trainers)} trainer ranks, "
               f"{len(self.h.rollouts)} rollout actors, weight group of {world}", flush=True)
 
+    def _open_weight_group(self) -> int:
+        host, port = cluster.free_address(self.h.trainer_pg, 0)
+        world = 1 + len(self.h.rollouts)
+        args = (cluster.backend(self.c), self.c.weights.timeout_s, self.plan)
+        ray.get([t.init_weight_group.remote(host, port, world, *args) for t in self.h.trainers]
+                + [r.init_weight_group.remote(host, port, 1 + i, world, *args)
+                   for i, r in enumerate(self.h.rollouts)])
+        return world
+
     def sync(self, version: int) -> dict[str, float]:
+        self._heal()
         refs = [t.broadcast_weights.remote() for t in self.h.trainers]
-        refs += [r.update_weights.remote(version) for r in self.h.rollouts]
-        out = ray.get(refs, timeout=self.c.weights.timeout_s)
+        pulls = [r.update_weights.remote(version) for r in self.h.rollouts]
+        try:
+            out = ray.get(refs + pulls, timeout=self.c.weights.timeout_s)
+        except RayError:
+            # A lost receiver fails the broadcast; closing the sender's end releases the others,
+            # whose half-loaded engines are replaced too.
+            ray.wait(refs, num_returns=len(refs), timeout=self.c.weights.timeout_s)
+            ray.get(self.h.trainers[0].close_weight_group.remote())
+            failed = _failed(pulls, self.c.weights.timeout_s)
+            if not failed:
+                raise
+            return self.replace(failed, "lost during a weight sync")
         sent = out[0]
         return {"sync_seconds": max(o.get("sync_seconds", o.get("load_seconds", 0.0)) for o in out),
                 "sync_gb_per_s": sent["sync_bytes"] / max(sent["sync_seconds"], 1e-9) / 1e9}
+
+    # ---- rollout actor replacement ---------------------------------------------------
+    def _heal(self) -> None:
+        """Replace rollout actors whose RL loop ended early: they died (or their loop crashed)."""
+        live = [ref for ref in self.runs if ref is not None]
+        ready, _ = ray.wait(live, num_returns=len(live), timeout=0) if live else ([], [])
+        dead = [i for i, ref in enumerate(self.runs) if ref is not None and ref in ready]
+        if dead:
+            self.replace(dead, "died during RL")
+
+    def _wait(self, refs: list[Any]) -> None:
+        """Wait until `refs` are ready, replacing rollout actors that die meanwhile."""
+        while len(ray.wait(refs, num_returns=len(refs), timeout=1.0)[0]) < len(refs):
+            self._heal()
+
+    def replace(self, indices: list[int], reason: str) -> dict[str, float]:
+        """Kill rollout actors `indices`, return their tickets, start new ones in their bundles,
+        re-form the weight group, load the current policy everywhere and resume their RL loops."""
+        c = self.c
+        if self.restarts + len(indices) > c.rollout.max_restarts:
+            raise RuntimeError(f"rollout actors {indices} {reason}; rollout.max_restarts={c.rollout.max_restarts} "
+                               f"replacements allowed and {self.restarts} used. Raise rollout.max_restarts, "
+                               "or resume the run from its last checkpoint.")
+        t0 = time.perf_counter()
+        print(f"rollout actors {indices} {reason}: replacing them", flush=True)
+        self.restarts += len(indices)
+        for i in indices:
+            ray.kill(self.h.rollouts[i], no_restart=True)
+            ray.get(self.h.buffer.forget.remote(i))
+            if self.rl_running:
+                self.runs[i] = None
+        ray.get(self.h.trainers[0].close_weight_group.remote())
+        ray.get([r.close_weight_group.remote() for i, r in enumerate(self.h.rollouts) if i not in indices])
+        for i in indices:
+            self.h.rollouts[i] = cluster.spawn_rollout(c, i, self.h.rollout_pg, self.restarts)
+        ray.get([self.h.rollouts[i].start.remote() for i in indices])
+        self._open_weight_group()
+        values = self.sync(self.version)
+        if self.rl_running:
+            for i in indices:
+                self.runs[i] = self.h.rollouts[i].run.remote(cluster.BufferClient(self.h.buffer, i))
+        print(f"rollout actors {indices} replaced in {time.perf_counter() - t0:.1f}s "
+              f"({self.restarts} of rollout.max_restarts={c.rollout.max_restarts} used)", flush=True)
+        return values
 
     def evaluate(self, tag: str) -> float:
         """Every environment's eval split on the rollout actors (`eval.num_samples` per example).
@@ -88,8 +154,12 @@ class Controller:
 
         e = self.c.eval
         max_tokens = e.max_tokens if isinstance(e.max_tokens, int) else self.c.rollout.max_tokens
-        outs = ray.get([r.evaluate.remote(e.num_examples, e.num_samples, e.temperature, max_tokens)
-                        for r in self.h.rollouts])
+        refs = [r.evaluate.remote(e.num_examples, e.num_samples, e.temperature, max_tokens) for r in self.h.rollouts]
+        try:
+            outs = ray.get(refs)
+        except RayActorError:
+            self.replace(_failed(refs, None), "died during an evaluation")
+            return self.evaluate(tag)
         records = sorted((rec for out in outs for rec in out), key=lambda rec: (rec["env"], rec["example"]))
         with (self.run_dir / "eval_results.jsonl").open("a") as f:
             for rec in records:
@@ -180,15 +250,18 @@ class Controller:
         c = self.c
         first = self._rl_begin(resume)
         start = self.summary["rl_start_reward"]
-        runs = [r.run.remote(cluster.BufferClient(self.h.buffer)) for r in self.h.rollouts]
+        self.rl_running = True
+        self.runs = [r.run.remote(cluster.BufferClient(self.h.buffer, i)) for i, r in enumerate(self.h.rollouts)]
         n = len(self.h.trainers)
         lags = []
         for step in range(first, c.rl.steps):
             t0 = time.perf_counter()
             batch = self.h.buffer.get_batch.options(num_returns=n).remote(step)
             batch = [batch] if n == 1 else batch  # num_returns=1 gives one ref, not a list
+            # Trainer tasks wait here, not in the actors' queues: a replacement's weight sync needs them.
+            self._wait(batch)
             outs = ray.get([t.train_step.remote(b) for t, b in zip(self.h.trainers, batch)])
-            values = {**ray.get(self.h.buffer.step_stats.remote(step)), **outs[0]}
+            values = {**ray.get(self.h.buffer.step_stats.remote(step)), **outs[0], "rollout_restarts": self.restarts}
             if (step + 1) % c.rl.sync_every == 0:
                 self.version = step + 1
                 values.update(self.sync(self.version))
@@ -201,8 +274,11 @@ class Controller:
             self.metrics.log("rl", step, values, c.rl.steps)
             if c.checkpoint.every and (step + 1) % c.checkpoint.every == 0 and step + 1 < c.rl.steps:
                 self.save("rl", step + 1)
+        self._heal()
+        self.rl_running = False
         ray.get([r.stop.remote() for r in self.h.rollouts])
-        ray.get(runs)
+        ray.get(self.runs)
+        self.runs = []
         if c.checkpoint.every:
             self.save("rl", c.rl.steps)
         if c.checkpoint.export_hf:
@@ -229,6 +305,17 @@ class Controller:
             cluster.teardown(self.h)
         self.metrics.close()
         (self.run_dir / "summary.json").write_text(json.dumps(self.summary, indent=2))
+
+
+def _failed(refs: list[Any], timeout: float | None) -> list[int]:
+    """Indices of `refs` whose task raised (or did not finish within `timeout` seconds; None: wait)."""
+    failed = []
+    for i, ref in enumerate(refs):
+        try:
+            ray.get(ref, timeout=timeout)
+        except RayError:
+            failed.append(i)
+    return failed
 
 
 def run(c: Config) -> dict[str, Any]:

@@ -33,6 +33,7 @@ RAY_GAUGES = {
     "rlray_buffer_depth": ("queued", "groups waiting in the buffer"),
     "rlray_stale_groups_dropped": ("stale_dropped", "groups dropped as too stale, in total"),
     "rlray_rollout_errors": ("rollout_errors", "rollouts with an environment error, in total"),
+    "rlray_rollout_restarts": ("rollout_restarts", "rollout actors replaced after a crash, in total"),
     "rlray_trainer_step_seconds": ("train_seconds", "trainer forward/backward/optimizer seconds"),
     "rlray_step_seconds": ("step_seconds", "wall seconds of the whole step"),
     "rlray_weight_sync_seconds": ("sync_seconds", "seconds of the last weight broadcast"),

@@ -13,7 +13,8 @@ Contract:
   (the BufferActor itself in tests, its Ray handle through cluster.py's adapter in a run).
   A failing rollout is a rollout with reward 0 and an error (rlray.envs.runner); only a
   failing engine costs the group (its ticket goes back).
-- `init_weight_group(...)` joins the weight broadcast group; `update_weights(version)`
+- `init_weight_group(...)` joins the weight broadcast group, `close_weight_group()` leaves
+  it (the group is re-formed when a rollout actor is replaced); `update_weights(version)`
   pauses generation (in-flight requests are kept), loads the broadcast weights, labels them
   with `version`, clears the prefix cache and resumes with the new version.
 - `evaluate(num_examples, num_samples, temperature, max_tokens)` runs this actor's share
@@ -137,6 +138,9 @@ class RolloutActor:
     async def init_weight_group(self, host: str, port: int, rank: int, world_size: int, backend: str,
                                 timeout_s: float, plan: list) -> None:
         await self.engine.init_weight_group(host, port, rank, world_size, backend, timeout_s, plan)
+
+    async def close_weight_group(self) -> None:
+        await self.engine.close_weight_group()
 
     async def update_weights(self, version: int) -> dict[str, float]:
         seconds = await self.engine.update_weights(on_loaded=lambda: setattr(self, "version", version),

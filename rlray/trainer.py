@@ -10,6 +10,7 @@ Contract:
   `sft_step(micro_batches)` does the same with cross-entropy on the masked tokens.
 - `init_weight_group(...)` / `broadcast_weights()`: every rank gathers each sharded
   parameter; rank 0 streams them, bucketed, to the inference workers.
+  `close_weight_group()` leaves the group (to re-form it after a rollout actor is replaced).
 - `logprobs(token_ids, start)` scores a sequence (for checks and tests).
 - `save(dir)` / `load(dir)`: model and optimizer through torch.distributed.checkpoint
   (every rank writes its shards); `export_hf(dir)`: rank 0 writes a transformers folder.
@@ -206,6 +207,11 @@ class TrainerActor:
         if self.rank == 0:
             self.weight_group = open_weight_group(host, port, 0, world_size, backend, timeout_s)
             self.sender = WeightSender(plan, self.weight_group)
+
+    def close_weight_group(self) -> None:
+        if self.weight_group is not None:
+            self.weight_group.close()
+        self.weight_group = self.sender = None
 
     @torch.no_grad()
     def broadcast_weights(self) -> dict[str, float]:

@@ -196,24 +196,36 @@ class WeightSender:
         self.buffers = allocate_buffers(plan, group.device)
 
     def send(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
-        """Broadcast every tensor of the plan, in plan order; returns the bytes sent."""
+        """Broadcast every tensor of the plan, in plan order; returns the bytes sent.
+
+        If a broadcast fails (a receiver died), the rest of `named_tensors` is still consumed,
+        so trainer ranks that gather full tensors alongside stay in step, then the error is raised.
+        """
         specs = [(bucket, spec) for bucket in self.plan for spec in bucket.tensors]
         sent = 0
         index = 0
+        failed: Exception | None = None
         for name, tensor in named_tensors:
             if index >= len(specs):
                 raise ValueError(f"tensor {name!r} is not in the weight plan (plan has {len(specs)} tensors)")
             bucket, spec = specs[index]
             _check_matches(spec, name, tensor)
+            index += 1
+            if failed is not None:
+                continue
             flat = self.buffers[bucket.dtype]
             flat[spec.offset : spec.offset + spec.numel].view(spec.shape).copy_(tensor.detach())
-            index += 1
             if spec is bucket.tensors[-1]:
-                self.group.broadcast(flat[: bucket.numel])
+                try:
+                    self.group.broadcast(flat[: bucket.numel])
+                except RuntimeError as e:  # gloo/NCCL report a lost peer as RuntimeError
+                    failed = e
                 sent += bucket.numel * flat.element_size()
         if index != len(specs):
             raise ValueError(f"weight plan expects {len(specs)} tensors, got {index}; "
                              f"first missing: {specs[index][1].name!r}")
+        if failed is not None:
+            raise RuntimeError(f"weight broadcast failed after {sent} bytes: {failed}") from failed
         return sent
 
 

@@ -63,6 +63,22 @@ def test_tickets_bound_how_far_rollouts_run_ahead() -> None:
     asyncio.run(go())
 
 
+def test_a_dead_actors_tickets_come_back_and_only_its_own() -> None:
+    async def go() -> None:
+        buf = make(k=0, G=4)
+        assert await buf.reserve(0, 3, actor=0) == 3
+        assert await buf.reserve(0, 3, actor=1) == 1
+        await buf.put([group(0)], actor=0)
+        await buf.cancel(1, actor=0)
+        assert await buf.reserve(0, 10, actor=1) == 1  # the cancelled ticket
+        assert await buf.forget(0) == 1  # actor 0 still held one
+        assert await buf.forget(0) == 0
+        assert await buf.reserve(0, 10, actor=2) == 1
+        await buf.put([group(0)], actor=0)  # a put that was in flight when actor 0 died
+        assert await buf.forget(1) == 2 and await buf.reserve(0, 10, actor=2) == 2
+    asyncio.run(go())
+
+
 def test_zero_advantage_groups_are_filtered_when_asked() -> None:
     async def go() -> None:
         buf = make(k=0, G=1, filter_zero_advantage=True)

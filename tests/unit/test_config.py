@@ -29,6 +29,7 @@ def launch(*overrides: str, cwd: str = "/") -> subprocess.CompletedProcess:
     (["trainer.num_ranks=9"], "cluster.num_cpus"),
     (["trainer.gpus_per_rank=1"], "cluster.num_gpus"),
     (["algo.loss=nope"], "algo.loss"),
+    (["rollout.max_restarts=-1"], "rollout.max_restarts"),
     (["stages=[sft,train]"], "stages"),
     (["rl.sync_every=3", "async.max_off_policy_steps=0"], "async.max_off_policy_steps"),
 ])

@@ -202,3 +202,33 @@ def test_sender_rejects_wrong_name_and_shape() -> None:
 def test_open_rejects_bad_backend() -> None:
     with pytest.raises(ValueError, match="backend"):
         open_weight_group("127.0.0.1", free_port(), 0, 1, "mpi", timeout_s=1)
+
+
+class FailingGroup:
+    """A rank-0 weight group whose peer is lost at the second broadcast."""
+
+    rank, device = 0, torch.device("cpu")
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def broadcast(self, tensor: torch.Tensor) -> None:
+        self.calls += 1
+        if self.calls == 2:
+            raise RuntimeError("Connection closed by peer")
+
+
+def test_sender_consumes_every_tensor_before_raising_a_lost_peer() -> None:
+    tensors = model_tensors()
+    plan = plan_buckets([(n, tuple(t.shape), t.dtype) for n, t in tensors], bucket_bytes=6000)
+    group = FailingGroup()
+    consumed: list[str] = []
+
+    def gathered():  # type: ignore[no-untyped-def]
+        for name, t in tensors:  # on FSDP ranks each of these is an all-gather every rank joins
+            consumed.append(name)
+            yield name, t
+
+    with pytest.raises(RuntimeError, match="weight broadcast failed after .* Connection closed by peer"):
+        WeightSender(plan, group).send(gathered())  # type: ignore[arg-type]
+    assert consumed == [n for n, _ in tensors] and group.calls == 2
