@@ -12,7 +12,8 @@ Contract:
 - `get_batch(step)` waits until G fresh groups are queued, drops (and counts) groups
   older than `step - k`, and returns one list of packed micro-batches per trainer rank
   (with one rank, that rank's list itself: what Ray's `num_returns=1` hands the trainer).
-- `step_stats(step)` returns the rewards, lags and drop counts of that batch.
+- `step_stats(step)` returns the rewards, lags and drop counts of that batch, and the
+  rollout errors so far, in all and by kind (`errors/<Kind>`).
 - `state()` / `load_state()` round-trip the counters for resume.
 Methods are coroutines so one actor serves puts while a get_batch waits.
 """
@@ -28,6 +29,7 @@ import numpy as np
 from rlray.algo.advantages import compute_advantages, trains_on
 from rlray.config import AlgoConfig
 from rlray.data.packing import Sample, pack
+from rlray.envs.instrument import error_kind
 from rlray.types import Group, MicroBatch
 
 
@@ -78,7 +80,11 @@ class BufferActor:
         async with self._ready:
             for g in groups:
                 self.counts["groups_in"] += 1
-                self.counts["rollout_errors"] += sum(r.error is not None for r in g.rollouts)
+                for r in g.rollouts:
+                    if r.error is not None:
+                        self.counts["rollout_errors"] += 1
+                        kind = f"errors/{error_kind(r.error)}"
+                        self.counts[kind] = self.counts.get(kind, 0) + 1
                 g.advantages = compute_advantages(g, self.algo)  # with DAPO's overlong penalty if set
                 if self.algo.filter_zero_advantage and np.ptp(g.rewards) == 0:  # DAPO: on raw rewards
                     self.counts["zero_adv_dropped"] += 1

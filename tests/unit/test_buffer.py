@@ -39,6 +39,22 @@ def test_stale_group_is_dropped_and_counted() -> None:
     asyncio.run(go())
 
 
+def test_rollout_errors_are_counted_by_kind() -> None:
+    async def go() -> None:
+        buf = make(k=0, G=2)
+        bad = group(0)
+        bad.rollouts[0].error = "ToolTimeout: tool 'calc' ran past env.tool_timeout_s=1.0s"
+        worse = group(0)
+        worse.rollouts[0].error = "EnvError: RuntimeError: boom"
+        worse.rollouts[1].error = "ToolTimeout: tool 'calc' ran past env.tool_timeout_s=1.0s"
+        await buf.put([bad, worse])
+        await buf.get_batch(0)
+        stats = await buf.step_stats(0)
+        assert stats["rollout_errors"] == 3
+        assert stats["errors/ToolTimeout"] == 2 and stats["errors/EnvError"] == 1
+    asyncio.run(go())
+
+
 def test_get_batch_waits_for_a_full_batch() -> None:
     async def go() -> None:
         buf = make(k=0)
