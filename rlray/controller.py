@@ -2,10 +2,11 @@
 
 Contract: `run(config) -> summary` creates the run folder (resolved config,
 metrics.jsonl, eval samples), connects to Ray, spawns the actors, opens the weight
-group, then runs `config.stages` in order and tears everything down. A rollout actor
-that dies (or fails a weight load) is replaced in its bundle, up to `rollout.max_restarts`
-times: its buffer tickets are returned, the weight group is re-formed, the current policy
-is loaded and its RL loop resumes; training waits meanwhile and loses no step. With
+group, then runs `config.stages` in order and tears everything down. A rollout
+actor that dies (with any engine whose weight load its death broke) is replaced in its
+bundle, up to `rollout.max_restarts` times: its buffer tickets are returned, the weight
+group is re-formed, the current policy is loaded and its RL loop resumes; training
+waits meanwhile and loses no step. With
 `checkpoint.every` set, RL commits a checkpoint (trainer DCP shards, policy version,
 buffer counters) at its start and every that many steps; a later run with the same
 run folder resumes from the newest committed one (an interrupted SFT restarts). The
@@ -92,9 +93,9 @@ class Controller:
             ray.wait(refs, num_returns=len(refs), timeout=self.c.weights.timeout_s)
             ray.get(self.h.trainers[0].close_weight_group.remote())
             failed = _failed(pulls, self.c.weights.timeout_s)
-            if not failed:
-                raise
-            return self.replace(failed, "lost during a weight sync")
+            if not any(isinstance(e, RayActorError) for e in failed.values()):
+                raise  # no receiver died: the broadcast itself is broken
+            return self.replace(sorted(failed), "lost during a weight sync")
         sent = out[0]
         return {"sync_seconds": max(o.get("sync_seconds", o.get("load_seconds", 0.0)) for o in out),
                 "sync_gb_per_s": sent["sync_bytes"] / max(sent["sync_seconds"], 1e-9) / 1e9}
@@ -158,7 +159,7 @@ class Controller:
         try:
             outs = ray.get(refs)
         except RayActorError:
-            self.replace(_failed(refs, None), "died during an evaluation")
+            self.replace(sorted(_failed(refs, None)), "died during an evaluation")
             return self.evaluate(tag)
         records = sorted((rec for out in outs for rec in out), key=lambda rec: (rec["env"], rec["example"]))
         with (self.run_dir / "eval_results.jsonl").open("a") as f:
@@ -307,14 +308,14 @@ class Controller:
         (self.run_dir / "summary.json").write_text(json.dumps(self.summary, indent=2))
 
 
-def _failed(refs: list[Any], timeout: float | None) -> list[int]:
-    """Indices of `refs` whose task raised (or did not finish within `timeout` seconds; None: wait)."""
-    failed = []
+def _failed(refs: list[Any], timeout: float | None) -> dict[int, RayError]:
+    """The error of each of `refs` whose task raised (or did not finish within `timeout` s; None: wait)."""
+    failed = {}
     for i, ref in enumerate(refs):
         try:
             ray.get(ref, timeout=timeout)
-        except RayError:
-            failed.append(i)
+        except RayError as e:
+            failed[i] = e
     return failed
 
 
