@@ -252,7 +252,8 @@ class BufferPool:
     """Flat receive buffers, a list per dtype; `take` never returns one that is still viewed.
 
     A buffer counts as free when its storage has no more references than it had when it was
-    allocated, i.e. every view handed out of it has been dropped.
+    allocated, i.e. every view handed out of it has been dropped. A consumer still holds the
+    last view while it asks for the next one, so two buffers per dtype usually alternate.
     """
 
     def __init__(self, plan: list[Bucket], device: torch.device) -> None:
