@@ -59,7 +59,6 @@ class Controller:
         self.version = 0
         self.restarts = 0  # rollout actors replaced so far
         self.runs: list[Any] = []  # each rollout actor's RL loop while RL runs (None while it is replaced)
-        self.rl_running = False
 
     # ---- set-up -------------------------------------------------------------------
     def start(self) -> None:
@@ -128,7 +127,7 @@ class Controller:
         for i in indices:
             ray.kill(self.h.rollouts[i], no_restart=True)
             ray.get(self.h.buffer.forget.remote(i))
-            if self.rl_running:
+            if self.runs:
                 self.runs[i] = None
         ray.get(self.h.trainers[0].close_weight_group.remote())
         ray.get([r.close_weight_group.remote() for i, r in enumerate(self.h.rollouts) if i not in indices])
@@ -137,7 +136,7 @@ class Controller:
         ray.get([self.h.rollouts[i].start.remote() for i in indices])
         self._open_weight_group()
         values = self.sync(self.version)
-        if self.rl_running:
+        if self.runs:
             for i in indices:
                 self.runs[i] = self.h.rollouts[i].run.remote(cluster.BufferClient(self.h.buffer, i))
         print(f"rollout actors {indices} replaced in {time.perf_counter() - t0:.1f}s "
@@ -251,7 +250,6 @@ class Controller:
         c = self.c
         first = self._rl_begin(resume)
         start = self.summary["rl_start_reward"]
-        self.rl_running = True
         self.runs = [r.run.remote(cluster.BufferClient(self.h.buffer, i)) for i, r in enumerate(self.h.rollouts)]
         n = len(self.h.trainers)
         lags = []
@@ -276,7 +274,6 @@ class Controller:
             if c.checkpoint.every and (step + 1) % c.checkpoint.every == 0 and step + 1 < c.rl.steps:
                 self.save("rl", step + 1)
         self._heal()
-        self.rl_running = False
         ray.get([r.stop.remote() for r in self.h.rollouts])
         ray.get(self.runs)
         self.runs = []

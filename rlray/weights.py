@@ -120,12 +120,17 @@ def iter_bucket_views(bucket: Bucket, flat: torch.Tensor) -> Iterator[tuple[str,
         yield spec.name, flat[spec.offset : spec.offset + spec.numel].view(spec.shape)
 
 
-def allocate_buffers(plan: list[Bucket], device: torch.device) -> dict[str, torch.Tensor]:
-    """One flat buffer per dtype, as large as that dtype's largest bucket."""
+def largest_buckets(plan: list[Bucket]) -> dict[str, int]:
+    """Elements of each dtype's largest bucket: the size of a flat buffer that fits any of them."""
     sizes: dict[str, int] = {}
     for bucket in plan:
         sizes[bucket.dtype] = max(sizes.get(bucket.dtype, 0), bucket.numel)
-    return {name: torch.empty(n, dtype=to_dtype(name), device=device) for name, n in sizes.items()}
+    return sizes
+
+
+def allocate_buffers(plan: list[Bucket], device: torch.device) -> dict[str, torch.Tensor]:
+    """One flat buffer per dtype, as large as that dtype's largest bucket."""
+    return {name: torch.empty(n, dtype=to_dtype(name), device=device) for name, n in largest_buckets(plan).items()}
 
 
 class WeightGroup:
@@ -257,9 +262,7 @@ class BufferPool:
     """
 
     def __init__(self, plan: list[Bucket], device: torch.device) -> None:
-        self.sizes: dict[str, int] = {}
-        for bucket in plan:
-            self.sizes[bucket.dtype] = max(self.sizes.get(bucket.dtype, 0), bucket.numel)
+        self.sizes = largest_buckets(plan)
         self.device = device
         self.free_refs: dict[str, list[tuple[torch.Tensor, int]]] = {name: [] for name in self.sizes}
 

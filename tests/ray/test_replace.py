@@ -35,7 +35,7 @@ def test_killed_rollout_actors_are_replaced(ray_cluster, tmp_path, monkeypatch) 
     lost_in_sync: list[int] = []
 
     def sync_losing_an_actor(self, version: int) -> dict:
-        if not (self.rl_running and version == 6 and not lost_in_sync):
+        if not (self.runs and version == 6 and not lost_in_sync):
             return real_sync(self, version)
         lost_in_sync.append(version)
         kill(self.h.rollouts[0])
