@@ -137,30 +137,41 @@ def test_http_rollouts_carry_the_engines_weight_version(actor) -> None:
 
 def test_versions_switch_mid_request_at_a_weight_update(actor) -> None:
     """An update while an HTTP request is generating: tokens before it carry the old version,
-    tokens after it the new one (vLLM's spans, labelled while generation is paused)."""
+    tokens after it the new one (vLLM's spans, labelled while generation is paused).
+
+    The request streams; the update starts once its first tokens have arrived, so the request
+    is known to be running whatever the machine's speed."""
     a, lt = actor
     oai = a.clients[0].client
+    total, first = 100, 4  # max_model_len is 128
 
-    async def scenario() -> tuple[list[int], list[int]]:
+    async def scenario() -> tuple[str, list[int], int]:
         await a.engine.llm.update_weight_version("1")
-        request = asyncio.ensure_future(oai.chat.completions.create(
-            model="rlray", messages=[{"role": "user", "content": "rev:abc="}], max_tokens=100, temperature=1.0,
-            logprobs=True, extra_body={"return_token_ids": True, "ignore_eos": True}))
-        await asyncio.sleep(0.3)
-        await a.engine.llm.pause_generation(mode="keep", clear_cache=False)
-        await a.engine.llm.update_weight_version("2")
-        await a.engine.llm.resume_generation()
-        r = await request
-        ids = r.choices[0].token_ids
-        return ids, a.server.versions(r.id, len(ids), default=-1)
+        stream = await oai.chat.completions.create(
+            model="rlray", messages=[{"role": "user", "content": "rev:abc="}], max_tokens=total, temperature=1.0,
+            stream=True, extra_body={"return_token_ids": True, "ignore_eos": True})
+        ids: list[int] = []
+        response_id, seen_at_pause = "", -1
+        async for chunk in stream:
+            response_id = chunk.id
+            for choice in chunk.choices:
+                ids.extend(getattr(choice, "token_ids", None) or [])
+            if seen_at_pause < 0 and len(ids) >= first:
+                await a.engine.llm.pause_generation(mode="keep", clear_cache=False)
+                seen_at_pause = len(ids)
+                await a.engine.llm.update_weight_version("2")
+                await a.engine.llm.resume_generation()
+        return response_id, ids, seen_at_pause
 
     try:
-        ids, versions = lt.run(scenario())
+        response_id, ids, seen_at_pause = lt.run(scenario())
     finally:
         lt.run(a.engine.llm.update_weight_version("0"))
-    assert len(ids) == 100
+    versions = a.server.versions(response_id, len(ids), default=-1)
+    assert len(ids) == total and seen_at_pause >= first
+    assert 2 in versions, "the request finished before the pause took effect"
     switch = versions.index(2)
-    assert 0 < switch < 100 and versions == [1] * switch + [2] * (100 - switch)
+    assert seen_at_pause <= switch < total and versions == [1] * switch + [2] * (total - switch)
 
 
 def test_openai_client_gets_token_ids_logprobs_and_tool_calls(actor) -> None:
