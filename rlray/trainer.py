@@ -11,6 +11,8 @@ Contract:
 - `init_weight_group(...)` / `broadcast_weights()`: every rank gathers each sharded
   parameter; rank 0 streams them, bucketed, to the inference workers.
   `close_weight_group()` leaves the group (to re-form it after a rollout actor is replaced).
+- `forward_backward(micro_batches, rl)` accumulates this rank's gradients and returns the
+  local sums (the equivalence tests read the gradients after it).
 - `logprobs(token_ids, start)` scores a sequence (for checks and tests).
 - `save(dir)` / `load(dir)`: model and optimizer through torch.distributed.checkpoint
   (every rank writes its shards); `export_hf(dir)`: rank 0 writes a transformers folder.
@@ -88,8 +90,8 @@ class TrainerActor:
         logp = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
         return torch.nn.functional.pad(logp, (1, 0))
 
-    def _step(self, micro_batches: list[MicroBatch], rl: bool) -> dict[str, float]:
-        t0 = time.perf_counter()
+    def forward_backward(self, micro_batches: list[MicroBatch], rl: bool) -> dict[str, float]:
+        """Accumulate this rank's gradients over its micro-batches; returns the local sums."""
         self.model.train()
         sums: dict[str, float] = {"loss": 0.0, "mismatch_kl": 0.0, "ratio_outside": 0.0, "tokens": 0.0}
         for mb in micro_batches:
@@ -109,6 +111,13 @@ class TrainerActor:
             (loss_sum / denom).backward()
             sums["loss"] += float(loss_sum.detach())
             sums["tokens"] += float(t["attention_mask"].sum())
+        sums["_norm"] = norm
+        return sums
+
+    def _step(self, micro_batches: list[MicroBatch], rl: bool) -> dict[str, float]:
+        t0 = time.perf_counter()
+        sums = self.forward_backward(micro_batches, rl)
+        norm = sums.pop("_norm")
         grad_norm = nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm)
         self.optimizer.step()
         self.scheduler.step()
