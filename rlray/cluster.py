@@ -110,7 +110,7 @@ def spawn(c: Config, pad_id: int) -> Handles:
         ray.remote(TrainerActor).options(
             name=f"trainer-{i}", num_cpus=t.cpus_per_rank, num_gpus=t.gpus_per_rank,
             scheduling_strategy=PlacementGroupSchedulingStrategy(tpg, placement_group_bundle_index=i),
-        ).remote(i, t.num_ranks, f"{host}:{port}", c.model, t, c.algo, backend(c), r.temperature)
+        ).remote(i, t.num_ranks, f"{host}:{port}", c.model, t, c.algo, backend(c), r.temperature, r.dtype)
         for i in range(t.num_ranks)
     ]
     rollouts = [spawn_rollout(c, i, rpg) for i in range(r.num_actors)]

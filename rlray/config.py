@@ -53,7 +53,9 @@ class TrainerConfig:
     beta2: float = 0.999
     max_grad_norm: float = 1.0
     micro_batch_tokens: int = 8192
-    param_dtype: str = "float32"
+    param_dtype: str = "float32"  # compute dtype of forward/backward; master weights and reductions stay fp32
+    ep: int = 1  # expert parallelism: ranks that split each MoE layer's experts (divides num_ranks)
+    activation_checkpointing: bool = False  # recompute each decoder layer's activations in backward
     seed: int = 0
 
 

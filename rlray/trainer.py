@@ -1,18 +1,21 @@
 """TrainerActor: one rank of the FSDP2 trainer. A plain class; cluster.py makes it a Ray actor.
 
 Contract:
-- `setup()` joins the trainer process group (gloo on CPU, nccl on GPU), loads the model
-  from transformers and shards it with FSDP2.
+- `setup()` joins the trainer process group (gloo on CPU, nccl on GPU) and builds the model
+  sharded from the start (rlray.models.load: meta device, `parallelize` with the
+  `trainer.ep` / `trainer.activation_checkpointing` of `ParallelDims`, each rank reading
+  only its shards); the KL reference model, when `algo.kl_coef > 0`, is built the same way.
 - `set_stage(lr, warmup_steps)` starts a fresh AdamW (SFT and RL each get their own).
 - `train_step(micro_batches)` runs forward/backward over this rank's micro-batches and
   takes exactly one optimizer step; the RL loss is chosen by `algo.loss` and every
   rank divides its token-sum by the *global* number of loss tokens.
   `sft_step(micro_batches)` does the same with cross-entropy on the masked tokens.
-- `init_weight_group(...)` / `broadcast_weights()`: every rank gathers each sharded
-  parameter; rank 0 streams them, bucketed, to the inference workers.
-  `close_weight_group()` leaves the group (to re-form it after a rollout actor is replaced).
 - `forward_backward(micro_batches, rl)` accumulates this rank's gradients and returns the
   local sums (the equivalence tests read the gradients after it).
+- `init_weight_group(...)` / `broadcast_weights()`: every rank gathers one full parameter at
+  a time (dense and EP/FSDP-sharded experts alike), cast first to the dtype the engine
+  serves (`wire_dtype`, the rollout dtype); rank 0 streams them, bucketed, to the workers.
+  `close_weight_group()` leaves the group (to re-form it after a rollout actor is replaced).
 - `logprobs(token_ids, start)` scores a sequence (for checks and tests).
 - `save(dir)` / `load(dir)`: model and optimizer through torch.distributed.checkpoint
   (every rank writes its shards); `export_hf(dir)`: rank 0 writes a transformers folder.
@@ -28,24 +31,28 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from rlray.algo.loss import get_loss, loss_normalizer
 from rlray.config import AlgoConfig, ModelConfig, TrainerConfig
+from rlray.models.load import build_model
 from rlray.models.tiny import model_path
-from rlray.parallel.fsdp import apply_fsdp, data_parallel_mesh
+from rlray.parallel.dims import ParallelDims
+from rlray.parallel.expert import ExpertLoad
+from rlray.parallel.parallelize import DTYPES, clip_grad_norm_, param_groups
 from rlray.types import MicroBatch
 from rlray.weights import Bucket, WeightGroup, WeightSender, open_weight_group, plan_buckets
 
 
 class TrainerActor:
     def __init__(self, rank: int, world_size: int, master: str, model: ModelConfig,
-                 trainer: TrainerConfig, algo: AlgoConfig, backend: str, temperature: float) -> None:
+                 trainer: TrainerConfig, algo: AlgoConfig, backend: str, temperature: float,
+                 wire_dtype: str | None = None) -> None:
         self.rank, self.world_size, self.master = rank, world_size, master
         self.model_cfg, self.cfg, self.algo = model, trainer, algo
         self.backend, self.temperature = backend, temperature
         self.device = torch.device("cuda" if backend == "nccl" else "cpu")
         self.weight_group: WeightGroup | None = None
+        self.wire_dtype = DTYPES[wire_dtype] if wire_dtype else None  # the engine's dtype; None: the params' own
         self.sender: WeightSender | None = None
 
     def setup(self) -> dict[str, Any]:
@@ -55,25 +62,22 @@ class TrainerActor:
             dist.init_process_group(self.backend, init_method=f"tcp://{self.master}",
                                     rank=self.rank, world_size=self.world_size)
         torch.manual_seed(self.cfg.seed)
-        from transformers import AutoModelForCausalLM
-
-        self.model = AutoModelForCausalLM.from_pretrained(model_path(self.model_cfg), dtype=torch.float32)
-        self.model.to(self.device)
-        mesh = data_parallel_mesh(self.device.type, self.world_size)
-        apply_fsdp(self.model, mesh, self.cfg.param_dtype)
+        self.dims = ParallelDims(self.world_size, ep=self.cfg.ep)
+        self.dims.build_meshes(self.device.type)
+        path = model_path(self.model_cfg)
+        self.model = build_model(path, self.dims, self.cfg, self.device)
+        self.expert_load = ExpertLoad(self.model)
         self.ref_model, self.ref_ready = None, False
         if self.algo.kl_coef > 0:  # frozen reference for the KL term: the policy at the first RL step
-            path = model_path(self.model_cfg)
-            self.ref_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-            self.ref_model.to(self.device).requires_grad_(False)
-            apply_fsdp(self.ref_model, mesh, self.cfg.param_dtype)
+            self.ref_model = build_model(path, self.dims, self.cfg, self.device).requires_grad_(False)
         self.loss_fn = get_loss(self.algo.loss)
         self.set_stage(self.cfg.lr, 0)
         n = sum(p.numel() for p in self.model.parameters())  # DTensor numel is the full size
         return {"rank": self.rank, "pid": os.getpid(), "params_approx": int(n)}
 
     def set_stage(self, lr: float, warmup_steps: int) -> None:
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=self.cfg.weight_decay,
+        groups = [{"params": g} for g in param_groups(self.model.parameters())]  # one mesh per group
+        self.optimizer = torch.optim.AdamW(groups, lr=lr, weight_decay=self.cfg.weight_decay,
                                            betas=(self.cfg.beta1, self.cfg.beta2))
         warm = max(1, warmup_steps)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: min(1.0, (s + 1) / warm))
@@ -93,6 +97,7 @@ class TrainerActor:
     def forward_backward(self, micro_batches: list[MicroBatch], rl: bool) -> dict[str, float]:
         """Accumulate this rank's gradients over its micro-batches; returns the local sums."""
         self.model.train()
+        self.expert_load.reset(self.device)
         sums: dict[str, float] = {"loss": 0.0, "mismatch_kl": 0.0, "ratio_outside": 0.0, "tokens": 0.0}
         for mb in micro_batches:
             t = self._tensors(mb)
@@ -118,12 +123,13 @@ class TrainerActor:
         t0 = time.perf_counter()
         sums = self.forward_backward(micro_batches, rl)
         norm = sums.pop("_norm")
-        grad_norm = nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm)
+        grad_norm = clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm)
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         n_loss = micro_batches[0].num_loss_tokens_global
-        return self._reduce(sums, n_loss, grad_norm, time.perf_counter() - t0, norm)
+        out = self._reduce(sums, n_loss, grad_norm, time.perf_counter() - t0, norm)
+        return {**out, **self.expert_load.summary()}
 
     @torch.no_grad()
     def _reference_logprobs(self, t: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -150,7 +156,7 @@ class TrainerActor:
         for k in out:
             if k != "tokens":
                 out[k] /= (loss_norm or n_loss) if k == "loss" else n_loss
-        out["grad_norm"] = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
+        out["grad_norm"] = float(grad_norm)
         out["lr"] = self.scheduler.get_last_lr()[0]
         out["train_seconds"] = seconds
         return out
@@ -202,13 +208,15 @@ class TrainerActor:
             AutoTokenizer.from_pretrained(model_path(self.model_cfg)).save_pretrained(path)
         dist.barrier()
 
-    def _full_params(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def _full_params(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """One full parameter at a time, in `dtype` (cast before the gather: half the bytes for bf16)."""
         for name, p in self.model.named_parameters():
-            full = p.full_tensor() if hasattr(p, "full_tensor") else p
-            yield name, full.detach()
+            p = p.detach() if dtype is None else p.detach().to(dtype)
+            yield name, p.full_tensor() if hasattr(p, "full_tensor") else p
 
     def weight_plan(self, bucket_mb: int) -> list[Bucket]:
-        params = [(n, tuple(p.shape), p.dtype) for n, p in self.model.named_parameters()]
+        """The send plan: every parameter full-size, in the engine's dtype."""
+        params = [(n, tuple(p.shape), self.wire_dtype or p.dtype) for n, p in self.model.named_parameters()]
         return plan_buckets(params, bucket_mb << 20)
 
     def init_weight_group(self, host: str, port: int, world_size: int, backend: str,
@@ -227,8 +235,8 @@ class TrainerActor:
         t0 = time.perf_counter()
         if self.rank == 0:
             assert self.sender is not None, "init_weight_group must run before broadcast_weights"
-            nbytes = self.sender.send(self._full_params())
+            nbytes = self.sender.send(self._full_params(self.wire_dtype))
         else:
-            nbytes = sum(1 for _ in self._full_params())  # join every all-gather; rank 0 sends
+            nbytes = sum(1 for _ in self._full_params(self.wire_dtype))  # join every all-gather; rank 0 sends
         seconds = time.perf_counter() - t0
         return {"sync_seconds": seconds, "sync_bytes": float(nbytes) if self.rank == 0 else 0.0}

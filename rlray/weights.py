@@ -323,6 +323,7 @@ class WorkerExtension:
         runner: Any = self.model_runner  # type: ignore[attr-defined]
         runner.reload_weights(weights_iterator=receiver.iter_weights())
         _refresh_tied_head(runner)
+        _repack_cpu_experts(runner)
         return time.perf_counter() - start
 
     def rlray_close_weight_group(self) -> None:
@@ -353,3 +354,21 @@ def _refresh_tied_head(runner: Any) -> None:
     quant_method = getattr(lm_head, "quant_method", None)
     if quant_method is not None:
         quant_method.process_weights_after_loading(lm_head)
+
+
+def _repack_cpu_experts(runner: Any) -> None:
+    """Prepack reloaded MoE expert weights for vLLM's CPU kernel.
+
+    vLLM 0.32 prepacks CPU expert weights (`w13_weight`, `w2_weight`) into its grouped-gemm layout
+    only on the first load; a reload copies the checkpoint layout into the packed storage and
+    skips that step, so every MoE layer computes garbage after a weight update (measured: logprobs
+    off by 0.76 after a sync of unchanged weights). Run the experts' own prepack again.
+    """
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+
+    model = runner.get_model() if hasattr(runner, "get_model") else runner.model
+    for module in model.modules():
+        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+        experts = getattr(kernel, "fused_experts", None)
+        if isinstance(experts, CPUUnquantizedExperts):
+            experts.process_weights_after_loading(module)

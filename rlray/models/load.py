@@ -1,0 +1,142 @@
+"""Sharded model build: no rank ever materialises the whole model.
+
+Contract: `build_model(path, dims, cfg, device)` reads the transformers config at `path`,
+builds the model on the meta device, applies `rlray.parallel.parallelize` (EP, activation
+checkpointing, FSDP2), allocates only this rank's shards on `device`, and fills each one
+from the checkpoint's safetensors files, reading just the slice that shard covers
+(safetensors slices are memory-mapped reads). Master weights are fp32 whatever the
+checkpoint's dtype. Fused expert weights (`experts.gate_up_proj` (E, 2I, H),
+`experts.down_proj` (E, H, I)) load from either layout on disk: fused, or one tensor per
+expert (`experts.<e>.gate_proj.weight`, ...: what the hub checkpoints and transformers'
+`save_pretrained` write). `resident_bytes(model)` counts the parameter bytes this rank holds.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from rlray.config import TrainerConfig
+from rlray.models.hf import init_non_persistent_buffers
+from rlray.parallel.dims import ParallelDims
+from rlray.parallel.parallelize import parallelize
+
+FUSED = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<param>gate_up_proj|down_proj)$")
+Box = tuple[tuple[int, ...], tuple[int, ...]]  # offsets, sizes
+
+
+def hf_config(path: str) -> Any:
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(path)
+
+
+def build_model(path: str, dims: ParallelDims, cfg: TrainerConfig, device: torch.device) -> nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    config = hf_config(path)
+    dims.check_model(config)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    parallelize(model, dims, cfg)
+    model.to_empty(device=device)
+    init_non_persistent_buffers(model)
+    with SafetensorsReader(Path(path)) as reader:
+        load_shards(model, reader)
+    return model
+
+
+def _box(t: torch.Tensor) -> Box:
+    """The part of the full tensor that this rank holds."""
+    if isinstance(t, DTensor):
+        chunks = t.__create_chunk_list__()
+        assert len(chunks) == 1, "one contiguous shard per rank"
+        return tuple(chunks[0].offsets), tuple(chunks[0].sizes)
+    return (0,) * t.dim(), tuple(t.shape)
+
+
+def _slices(box: Box) -> tuple[slice, ...]:
+    return tuple(slice(o, o + s) for o, s in zip(*box))
+
+
+class SafetensorsReader:
+    """Slices of named tensors from a folder of safetensors files, fused experts included."""
+
+    def __init__(self, folder: Path) -> None:
+        self.files = sorted(folder.glob("*.safetensors"))
+        if not self.files:
+            raise FileNotFoundError(f"no *.safetensors files in {folder}")
+        self.stack = ExitStack()
+        self.where: dict[str, Any] = {}
+
+    def __enter__(self) -> SafetensorsReader:  # noqa: PYI034
+        from safetensors import safe_open
+
+        for path in self.files:
+            handle = self.stack.enter_context(safe_open(str(path), "pt", device="cpu"))
+            self.where.update(dict.fromkeys(handle.keys(), handle))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stack.close()
+
+    def read(self, name: str, box: Box) -> torch.Tensor:
+        if name in self.where:
+            return self.where[name].get_slice(name)[_slices(box)]
+        fused = FUSED.match(name)
+        if fused and f"{fused['prefix']}.{box[0][0]}.down_proj.weight" in self.where:
+            return self._per_expert(fused["prefix"], fused["param"], box)
+        raise KeyError(f"checkpoint has no tensor {name!r} (files: {[p.name for p in self.files]})")
+
+    def _per_expert(self, prefix: str, param: str, box: Box) -> torch.Tensor:
+        (e0, r0, c0), (ne, nr, nc) = box
+        out = []
+        for e in range(e0, e0 + ne):
+            if param == "down_proj":
+                out.append(self._rows(f"{prefix}.{e}.down_proj.weight", r0, nr, c0, nc))
+                continue
+            inter = self.where[f"{prefix}.{e}.gate_proj.weight"].get_slice(f"{prefix}.{e}.gate_proj.weight")
+            size = inter.get_shape()[0]
+            rows = []  # rows [0, I) of gate_up are gate_proj's, [I, 2I) up_proj's
+            for part, lo, hi in (("gate_proj", 0, size), ("up_proj", size, 2 * size)):
+                a, b = max(r0, lo), min(r0 + nr, hi)
+                if a < b:
+                    rows.append(self._rows(f"{prefix}.{e}.{part}.weight", a - lo, b - a, c0, nc))
+            out.append(torch.cat(rows) if rows else torch.empty(0, nc))
+        return torch.stack(out) if out else torch.empty(0, nr, nc)
+
+    def _rows(self, key: str, r0: int, nr: int, c0: int, nc: int) -> torch.Tensor:
+        return self.where[key].get_slice(key)[r0 : r0 + nr, c0 : c0 + nc]
+
+
+def _persistent(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    yield from model.named_parameters()
+    for name, buf in model.named_buffers():
+        owner, _, leaf = name.rpartition(".")
+        if leaf not in model.get_submodule(owner)._non_persistent_buffers_set:
+            yield name, buf
+
+
+@torch.no_grad()
+def load_shards(model: nn.Module, reader: SafetensorsReader) -> None:
+    for name, tensor in _persistent(model):
+        box = _box(tensor)
+        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        if local.numel():
+            local.copy_(reader.read(name, box).reshape(local.shape))
+
+
+def resident_bytes(model: nn.Module) -> int:
+    """Bytes of the parameter shards this rank holds (tied parameters once)."""
+    total = 0
+    for p in model.parameters():
+        local = p.to_local() if isinstance(p, DTensor) else p
+        total += local.numel() * local.element_size()
+    return total

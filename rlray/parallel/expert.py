@@ -1,0 +1,81 @@
+"""Expert parallelism for transformers' fused-expert MoE layers, and the router's load statistics.
+
+Contract:
+- `moe_experts(model)` lists `(name, module)` of every fused experts module: 3-D
+  `gate_up_proj` (E, 2I, H) and `down_proj` (E, H, I) with `num_experts` (Glm4MoeExperts,
+  Qwen3MoeExperts, ...).
+- `apply_expert_parallel(model, ep_mesh)` gives each rank of `ep_mesh` E/ep of every layer's
+  experts (DTensor `Shard(0)` on `ep_mesh`) and makes each experts module dispatch its
+  (token, expert) pairs to their owners with all-to-all and combine the results with the
+  routing weights, in forward and backward (gloo and NCCL). The router (GLM's
+  `e_score_correction_bias`, group-limited top-k) is not touched: it runs on every rank over
+  that rank's own tokens. The pieces are transformers' own (rlray.models.hf).
+- `ExpertLoad(model)` counts the tokens routed to each expert of each layer during the
+  model's forward passes (not during activation-checkpoint recomputation);
+  `summary(group)` sums the counts over `group` and returns max/mean per layer.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from rlray.models.hf import EXPERT_PARAMS, shard_and_dispatch_experts
+
+
+def moe_experts(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    found = []
+    for name, module in model.named_modules():
+        params = [getattr(module, p, None) for p in EXPERT_PARAMS]
+        if hasattr(module, "num_experts") and all(isinstance(p, nn.Parameter) and p.dim() == 3 for p in params):
+            found.append((name, module))
+    return found
+
+
+def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> None:
+    experts = moe_experts(model)
+    if not experts:
+        raise ValueError(f"{type(model).__name__} has no fused MoE experts; expert parallelism needs an MoE model")
+    for _, module in experts:
+        shard_and_dispatch_experts(module, ep_mesh)
+
+
+class ExpertLoad:
+    """Tokens per expert, per MoE layer, over the forward passes since the last `reset()`."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.layers = moe_experts(model)
+        self.total = [int(m.gate_up_proj.shape[0]) for _, m in self.layers]  # global E, also under EP
+        self.counts: list[torch.Tensor] = []
+        self.active = False
+        self.reset(torch.device("cpu"))
+        model.register_forward_pre_hook(lambda *_: setattr(self, "active", True))
+        model.register_forward_hook(lambda *_: setattr(self, "active", False))
+        for i, (_, module) in enumerate(self.layers):
+            module.register_forward_pre_hook(self._hook(i))
+
+    def _hook(self, i: int) -> Any:
+        def count(_module: nn.Module, args: tuple) -> None:
+            if self.active:  # recomputation in backward runs after the model's forward has returned
+                ids = args[1].detach().reshape(-1)
+                self.counts[i] += torch.bincount(ids, minlength=self.total[i]).to(self.counts[i].device)
+        return count
+
+    def reset(self, device: torch.device) -> None:
+        """Zero the counts, kept on `device` (the one the collectives of `summary` use)."""
+        self.counts = [torch.zeros(n, dtype=torch.long, device=device) for n in self.total]
+
+    def summary(self, group: dist.ProcessGroup | None = None) -> dict[str, float]:
+        """`moe_load_max_mean`: max/mean tokens per expert, averaged over MoE layers (1.0 is
+        perfect balance); `moe_load_max_mean_worst`: the worst layer's; counts summed over `group`."""
+        if not self.layers:
+            return {}
+        counts = torch.stack(self.counts).double()
+        if dist.is_initialized():
+            dist.all_reduce(counts, group=group)
+        ratio = counts.max(dim=1).values / counts.mean(dim=1).clamp_min(1e-9)
+        return {"moe_load_max_mean": float(ratio.mean()), "moe_load_max_mean_worst": float(ratio.max())}

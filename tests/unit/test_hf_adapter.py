@@ -1,0 +1,50 @@
+"""Pins every transformers and vLLM internal that rlray's adapters use (rlray.models.hf and the
+CPU MoE repack in rlray.weights), so an upgrade that moves one fails here, by name."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+
+from rlray.config import ModelConfig
+from rlray.models import tiny
+from rlray.parallel.expert import moe_experts
+
+
+def test_transformers_expert_parallel_pieces() -> None:
+    from transformers.distributed.tensor_parallel import EpDispatchExpertsParallel, MoEParamShard
+
+    assert list(inspect.signature(MoEParamShard.__init__).parameters)[1:] == ["placement", "shards_expert_dim"]
+    assert list(inspect.signature(MoEParamShard.shard_param).parameters)[1:] == ["module", "param", "mesh"]
+    params = inspect.signature(EpDispatchExpertsParallel.install_forward).parameters
+    assert list(params)[1:3] == ["module", "ep_mesh"]
+
+
+@pytest.mark.parametrize("arch", ["glm4_moe", "qwen3_moe"])
+def test_fused_experts_layout_and_router_signature(arch: str) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from rlray.data.tokenizer import char_tokenizer
+
+    cfg = ModelConfig(arch=arch, num_layers=2, hidden_size=64, num_heads=2, num_kv_heads=1,
+                      moe_intermediate_size=32, num_experts=4)
+    tok = char_tokenizer()
+    model = AutoModelForCausalLM.from_config(tiny.hf_config(cfg, len(tok), tok))
+    (name, experts), *_ = moe_experts(model)
+    assert name.endswith("mlp.experts") and experts.num_experts == 4
+    assert tuple(experts.gate_up_proj.shape) == (4, 64, 64) and tuple(experts.down_proj.shape) == (4, 64, 32)
+    gate = model.get_submodule(name.rsplit(".", 1)[0] + ".gate")
+    logits, weights, indices = gate(torch.randn(3, 64))  # the experts module is called with (x, indices, weights)
+    assert logits.shape == (3, 4) and weights.shape == indices.shape == (3, 2)
+    assert callable(model._init_weights) and model.model.rotary_emb._non_persistent_buffers_set
+
+
+def test_vllm_cpu_moe_repack_hooks() -> None:
+    pytest.importorskip("vllm")
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+    from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
+
+    assert callable(CPUUnquantizedExperts.process_weights_after_loading)
+    assert "moe_kernel" in inspect.getsource(UnquantizedFusedMoEMethod._setup_kernel)
