@@ -2,6 +2,7 @@
 
 Contract: `connect(cfg)` joins `cluster.address` / `RAY_ADDRESS` or starts a local Ray
 (dashboard on loopback, logical CPUs declared so fractional bundles fit).
+`check_resources(gpus, cpus)` compares a plan with the connected cluster.
 `spawn(config)` creates one placement group for the trainer ranks and one for the
 rollout actors (bundle sizes from the config), then the named actors `trainer-i`,
 `rollout-i` and `buffer` from the plain classes; `spawn_rollout` (re)creates one rollout
@@ -38,9 +39,24 @@ def connect(cfg: ClusterConfig) -> None:
     if address:
         ray.init(address=address, runtime_env=env, log_to_driver=True)
         return
-    ray.init(address="local", num_cpus=cfg.num_cpus, num_gpus=cfg.num_gpus, include_dashboard=True,
+    import torch
+
+    gpus = torch.cuda.device_count() if cfg.num_gpus is None else cfg.num_gpus  # checked <= torch's by rlray.plan
+    ray.init(address="local", num_cpus=cfg.num_cpus, num_gpus=gpus, include_dashboard=True,
              dashboard_host=cfg.dashboard_host, _node_ip_address="127.0.0.1", runtime_env=env,
              log_to_driver=True)
+
+
+def check_resources(gpus: float, cpus: float) -> str:
+    """The connected cluster must hold the run's bundles; returns a line saying what it has."""
+    have = ray.cluster_resources()
+    have_gpus, have_cpus = have.get("GPU", 0.0), have.get("CPU", 0.0)
+    if gpus > have_gpus or cpus > have_cpus:
+        raise ValueError(f"the Ray cluster has {have_gpus:g} GPUs and {have_cpus:g} CPUs but the run needs "
+                         f"{gpus:g} GPUs and {cpus:g} CPUs; add nodes or shrink trainer.num_ranks / "
+                         "rollout.num_actors")
+    kinds = sorted(k.removeprefix("accelerator_type:") for k in have if k.startswith("accelerator_type:"))
+    return f"cluster: {have_gpus:g} GPUs ({', '.join(kinds) or 'type unknown'}), {have_cpus:g} CPUs: enough"
 
 
 @ray.remote(num_cpus=0)

@@ -1,8 +1,8 @@
 """The configuration schema, its registration with Hydra, and semantic validation.
 
-Contract: `register()` stores the schema (`rlray_schema`) and every `recipes/*.yaml`
-(group `recipe`) in Hydra's ConfigStore, so `+recipe=NAME` works from any working
-directory. `to_config(cfg)` turns a composed DictConfig into a typed `Config` and
+Contract: `register()` stores the schema (`rlray_schema`), every `recipes/*.yaml`
+(group `recipe`) and every `recipes/twin/*.yaml` (group `twin`: a recipe's CPU twin) in
+Hydra's ConfigStore, so `+recipe=NAME +twin=cpu` works from any working directory. `to_config(cfg)` turns a composed DictConfig into a typed `Config` and
 raises `ConfigError` (one line naming the key and the fix) for keys outside the
 schema (also those added with `+section.key=`), an unknown recipe, and impossible
 values. Each component is handed only its own section.
@@ -11,7 +11,6 @@ values. Each component is handed only its own section.
 from __future__ import annotations
 
 import dataclasses
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -72,6 +71,7 @@ class RolloutConfig:
     enforce_eager: bool = True  # skip torch.compile: faster start-up, the right call for tiny CPU models
     kv_cache_fraction: float = 0.05  # share of accelerator memory for weights + KV cache (GPU)
     kv_cache_gb: float = 0.25  # > 0: an exact KV-cache size, what the CPU backend needs; 0: use the fraction
+    tensor_parallel_size: int = 1  # GPUs (tensor-parallel workers) per engine; = gpus_per_actor on GPUs
     max_concurrent_groups: int = 64
     max_restarts: int = 3  # rollout actors replaced after a crash during RL, in all; 0: a crash ends the run
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
@@ -202,7 +202,8 @@ class CheckpointConfig:
 class ClusterConfig:
     address: str | None = None  # None: start a local Ray, unless RAY_ADDRESS is set
     num_cpus: int = 8  # logical CPUs declared for a local Ray (fractional bundles fit)
-    num_gpus: int = 0
+    num_gpus: int | None = None  # GPUs a local Ray declares; None: what torch sees (never more)
+    gpu_memory_gb: float = 80.0  # memory of one GPU, for the plan's fit check (H100 80, H200 141)
     dashboard_host: str = "127.0.0.1"
     backend: str = "auto"  # auto: nccl when the bundles have GPUs, else gloo
 
@@ -222,6 +223,7 @@ class RunConfig:
 
 @dataclass
 class Config:
+    dry_run: bool = False  # print the placement and memory plan, check it (and the cluster, if connected), exit
     run: RunConfig = field(default_factory=RunConfig)
     stages: list[str] = field(default_factory=lambda: ["sft", "rl"])
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -246,15 +248,22 @@ def _key(f: dataclasses.Field) -> str:
 
 def schema_node() -> DictConfig:
     """The root schema: a struct DictConfig whose sections are typed dataclass nodes."""
-    sections = {_key(f): OmegaConf.structured(f.default_factory()) for f in dataclasses.fields(Config)}
+    sections = {_key(f): OmegaConf.structured(f.default_factory()) for f in dataclasses.fields(Config)
+                if f.default_factory is not dataclasses.MISSING and dataclasses.is_dataclass(f.default_factory)}
     node = OmegaConf.create(sections)
     node.stages = ["sft", "rl"]
+    node.dry_run = False
     OmegaConf.set_struct(node, True)
+    for name, section in sections.items():  # free-form dicts (env.args, rollout.engine_kwargs) take any key
+        for f in dataclasses.fields(OmegaConf.get_type(section)):
+            if f.default_factory is dict:
+                OmegaConf.set_struct(node[name][f.name], False)
     return node
 
 
-def recipe_names() -> list[str]:
-    return sorted(p.stem for p in RECIPES_DIR.glob("*.yaml"))
+def recipe_names(group: str = "recipe") -> list[str]:
+    folder = RECIPES_DIR if group == "recipe" else RECIPES_DIR / group
+    return sorted(p.stem for p in folder.glob("*.yaml"))
 
 
 def register() -> None:
@@ -263,10 +272,11 @@ def register() -> None:
 
     cs = ConfigStore.instance()
     cs.store(name="rlray_schema", node=schema_node())
-    for path in sorted(RECIPES_DIR.glob("*.yaml")):
-        text = path.read_text()
-        package = "_global_" if text.lstrip().startswith("# @package _global_") else "recipe"
-        cs.store(group="recipe", name=path.stem, node=OmegaConf.create(text), package=package)
+    for group, folder in (("recipe", RECIPES_DIR), ("twin", RECIPES_DIR / "twin")):
+        for path in sorted(folder.glob("*.yaml")):
+            text = path.read_text()
+            package = "_global_" if text.lstrip().startswith("# @package _global_") else group
+            cs.store(group=group, name=path.stem, node=OmegaConf.create(text), package=package)
 
 
 def _check_keys(node: Any, schema: Any, prefix: str) -> None:
@@ -284,18 +294,21 @@ def _check_keys(node: Any, schema: Any, prefix: str) -> None:
             _check_keys(value, sub, f"{path}.")
 
 
+def _plain(value: Any) -> Any:
+    return OmegaConf.to_object(value) if OmegaConf.is_config(value) else value
+
+
 def to_config(cfg: DictConfig) -> Config:
     """Typed, validated config from a composed DictConfig (raises ConfigError)."""
-    if "recipe" in cfg:
-        raise ConfigError(
-            f"unknown recipe '{cfg.recipe}'; available: {', '.join(recipe_names())} "
-            f"(recipes live in {RECIPES_DIR})"
-        )
+    for group in ("recipe", "twin"):
+        if group in cfg:
+            raise ConfigError(f"unknown {group} '{cfg[group]}'; available: {', '.join(recipe_names(group))} "
+                              f"(they live in {RECIPES_DIR if group == 'recipe' else RECIPES_DIR / group})")
     _check_keys(cfg, Config(), "")
     try:
         resolved = OmegaConf.to_container(cfg, resolve=True)
         merged = OmegaConf.merge(schema_node(), resolved)
-        values = {f.name: OmegaConf.to_object(merged[_key(f)]) for f in dataclasses.fields(Config)}
+        values = {f.name: _plain(merged[_key(f)]) for f in dataclasses.fields(Config)}
         values["stages"] = list(values["stages"])
     except Exception as e:  # omegaconf's ValidationError names the key and the value
         raise ConfigError(f"invalid config: {e}".splitlines()[0]) from e
@@ -341,23 +354,11 @@ def validate(c: Config) -> None:
         f"algo.ratio_correction='{c.algo.ratio_correction}'; choose clip or mask",
     )
     _require(c.cluster.backend in ("auto", "gloo", "nccl"), "cluster.backend must be auto, gloo or nccl")
-    _check_resources(c)
-
-
-def _check_resources(c: Config) -> None:
-    """A local cluster must hold every bundle; a remote one is checked by Ray at placement."""
-    if c.cluster.address is not None or os.environ.get("RAY_ADDRESS"):
-        return
-    cpus = c.trainer.num_ranks * c.trainer.cpus_per_rank + c.rollout.num_actors * c.rollout.cpus_per_actor
-    _require(
-        cpus <= c.cluster.num_cpus,
-        f"trainer ({c.trainer.num_ranks}x{c.trainer.cpus_per_rank}) + rollout "
-        f"({c.rollout.num_actors}x{c.rollout.cpus_per_actor}) need {cpus} CPUs but "
-        f"cluster.num_cpus={c.cluster.num_cpus}; raise cluster.num_cpus or lower the counts",
-    )
-    gpus = c.trainer.num_ranks * c.trainer.gpus_per_rank + c.rollout.num_actors * c.rollout.gpus_per_actor
-    _require(
-        gpus <= c.cluster.num_gpus,
-        f"trainer.num_ranks x trainer.gpus_per_rank + rollout.num_actors x rollout.gpus_per_actor = {gpus} "
-        f"GPUs but cluster.num_gpus={c.cluster.num_gpus}; lower them or raise cluster.num_gpus",
-    )
+    _require(c.rollout.tensor_parallel_size >= 1, "rollout.tensor_parallel_size must be >= 1")
+    _require(c.rollout.tensor_parallel_size == 1 or c.rollout.gpus_per_actor > 0,
+             f"rollout.tensor_parallel_size={c.rollout.tensor_parallel_size} needs GPU engines "
+             "(rollout.gpus_per_actor = tensor_parallel_size); CPU engines run one worker")
+    _require(c.trainer.param_dtype in ("float32", "bfloat16", "float16"),
+             f"trainer.param_dtype='{c.trainer.param_dtype}'; choose float32, bfloat16 or float16")
+    _require(c.rollout.dtype in ("float32", "bfloat16", "float16"),
+             f"rollout.dtype='{c.rollout.dtype}'; choose float32, bfloat16 or float16")

@@ -63,6 +63,9 @@ class Controller:
     # ---- set-up -------------------------------------------------------------------
     def start(self) -> None:
         cluster.connect(self.c.cluster)
+        t, r = self.c.trainer, self.c.rollout
+        cluster.check_resources(t.num_ranks * t.gpus_per_rank + r.num_actors * r.gpus_per_actor,
+                                t.num_ranks * t.cpus_per_rank + r.num_actors * r.cpus_per_actor)
         t0 = time.perf_counter()
         self.h = cluster.spawn(self.c, pad_id=self.tokenizer.pad_token_id)
         ray.get([t.setup.remote() for t in self.h.trainers] + [r.start.remote() for r in self.h.rollouts])
@@ -73,10 +76,11 @@ class Controller:
 
     def _open_weight_group(self) -> int:
         host, port = cluster.free_address(self.h.trainer_pg, 0)
-        world = 1 + len(self.h.rollouts)
+        tp = self.c.rollout.tensor_parallel_size  # engine i's workers are ranks 1 + i*tp .. i*tp + tp
+        world = 1 + len(self.h.rollouts) * tp
         args = (cluster.backend(self.c), self.c.weights.timeout_s, self.plan)
         ray.get([t.init_weight_group.remote(host, port, world, *args) for t in self.h.trainers]
-                + [r.init_weight_group.remote(host, port, 1 + i, world, *args)
+                + [r.init_weight_group.remote(host, port, 1 + i * tp, world, *args)
                    for i, r in enumerate(self.h.rollouts)])
         return world
 

@@ -1,36 +1,81 @@
-"""Hydra entry point: `python -m rlray.launch [+recipe=NAME] [key=value ...]`.
+"""Hydra entry point: `python -m rlray.launch [+recipe=NAME] [+twin=cpu] [key=value ...]`.
 
-Contract: composes `conf/config.yaml` with the recipe and overrides, validates the
-result into a typed `Config` (exiting 1 with one line naming the bad key, before Ray
-starts), then hands it to the controller. Works from any working directory and
-under `ray job submit`.
+Contract: composes `conf/config.yaml` with the recipe, its CPU twin and the overrides,
+validates the result into a typed `Config` and its plan (rlray.plan: mesh, engines, memory
+per GPU), exiting 1 with one line naming the bad key or the shortfall, before Ray starts.
+`dry_run=true` prints the plan (checked against the cluster's resources when connected to
+one) and exits. Otherwise the plan goes to the run folder (`plan.txt`) and the controller
+runs. Works from any working directory and under `ray job submit`.
 """
 
 from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import hydra
 from omegaconf import DictConfig
 
-from rlray.config import ConfigError, register, to_config
+from rlray.config import Config, ConfigError, register, to_config
+
+if TYPE_CHECKING:
+    from rlray.plan import Plan
 
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 
 register()
 
 
+def _fail(message: str) -> None:
+    print(f"config error: {message}", file=sys.stderr)
+    sys.exit(1)
+
+
+def _plan(config: Config) -> Plan:
+    from rlray.algo.loss import check_algo
+    from rlray.plan import check_local, make_plan
+
+    check_algo(config.algo)
+    if not config.dry_run:  # a dry run plans for the cluster the recipe names, not this machine
+        check_local(config, " ".join(["python -m rlray.launch", *sys.argv[1:]]))
+    try:
+        plan = make_plan(config)
+    except OSError as e:
+        raise ConfigError(f"cannot read the architecture of model.name='{config.model.name}': "
+                          f"{str(e).splitlines()[0]} (give a local checkpoint folder)") from e
+    problems = plan.problems()
+    if problems:
+        raise ConfigError("; ".join(problems))
+    return plan
+
+
+def _dry_run(config: Config, plan: Plan) -> None:
+    from rlray.plan import is_local
+
+    print(plan.render())
+    if not is_local(config):
+        from rlray import cluster
+
+        cluster.connect(config.cluster)
+        print(cluster.check_resources(plan.gpus, plan.cpus))
+    print("plan fits; dry run, nothing started")
+
+
 @hydra.main(config_path=CONF_DIR, config_name="config", version_base=None)
 def main(cfg: DictConfig) -> None:
     try:
         config = to_config(cfg)
-        from rlray.algo.loss import check_algo
-
-        check_algo(config.algo)
+        plan = _plan(config)
+        if config.dry_run:
+            _dry_run(config, plan)
+            return
     except (ConfigError, ValueError) as e:
-        print(f"config error: {e}", file=sys.stderr)
-        sys.exit(1)
+        _fail(str(e))
+    run_dir = Path(config.run.dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "plan.txt").write_text(plan.render() + "\n")
+    print(f"{plan.summary()} (all of it: {run_dir / 'plan.txt'})", flush=True)
     from rlray.controller import run
 
     run(config)

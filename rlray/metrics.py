@@ -21,7 +21,8 @@ from rlray.config import LoggingConfig
 
 CONSOLE = [("reward_mean", "reward", "{:.3f}"), ("eval_reward", "eval", "{:.3f}"), ("lag_mean", "lag", "{:.2f}"),
            ("tokens_per_s", "tok/s", "{:.0f}"), ("step_seconds", "step_s", "{:.2f}"),
-           ("sync_seconds", "sync_s", "{:.3f}"), ("mismatch_kl", "mis_kl", "{:.1e}"), ("loss", "loss", "{:.4f}")]
+           ("sync_seconds", "sync_s", "{:.3f}"), ("mismatch_kl", "mis_kl", "{:.1e}"), ("loss", "loss", "{:.4f}"),
+           ("moe_load_max_mean", "moe_load", "{:.2f}")]
 
 
 # Ray gauge name -> the logged value it mirrors
@@ -39,6 +40,7 @@ RAY_GAUGES = {
     "rlray_weight_sync_seconds": ("sync_seconds", "seconds of the last weight broadcast"),
     "rlray_weight_sync_gb_per_s": ("sync_gb_per_s", "GB/s of the last weight broadcast"),
     "rlray_mismatch_kl": ("mismatch_kl", "KL between inference and trainer logprobs"),
+    "rlray_moe_load_max_mean": ("moe_load_max_mean", "tokens of the busiest expert over the mean, per MoE layer"),
 }
 
 

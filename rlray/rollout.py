@@ -83,7 +83,10 @@ class RolloutActor:
         return {"index": self.index, "model": path, "endpoint": self.server.url}
 
     def _engine_kwargs(self) -> dict[str, Any]:
-        kwargs: dict[str, Any] = {"dtype": self.cfg.dtype, "enforce_eager": self.cfg.enforce_eager}
+        kwargs: dict[str, Any] = {"dtype": self.cfg.dtype, "enforce_eager": self.cfg.enforce_eager,
+                                  "tensor_parallel_size": self.cfg.tensor_parallel_size}
+        if self.cfg.tensor_parallel_size > 1:  # the engine's workers are processes in this actor's bundle
+            kwargs["distributed_executor_backend"] = "mp"
         if self.cfg.kv_cache_gb > 0:
             kwargs["kv_cache_memory_bytes"] = int(self.cfg.kv_cache_gb * 2**30)
         return {**kwargs, **self.cfg.engine_kwargs}

@@ -23,6 +23,7 @@ Contract:
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections.abc import Iterator
@@ -62,6 +63,8 @@ class TrainerActor:
             dist.init_process_group(self.backend, init_method=f"tcp://{self.master}",
                                     rank=self.rank, world_size=self.world_size)
         torch.manual_seed(self.cfg.seed)
+        # Gathering an expert weight (EP x FSDP) takes two all-gathers; torch warns of it on every one.
+        logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
         self.dims = ParallelDims(self.world_size, ep=self.cfg.ep)
         self.dims.build_meshes(self.device.type)
         path = model_path(self.model_cfg)
@@ -88,7 +91,7 @@ class TrainerActor:
 
     def _token_logprobs(self, ids: torch.Tensor, attn: torch.Tensor, temperature: float) -> torch.Tensor:
         """logp[b, t] of token ids[b, t] given ids[b, :t]; position 0 gets 0."""
-        logits = self.model(input_ids=ids, attention_mask=attn).logits.float()
+        logits = self.model(input_ids=ids, attention_mask=attn, use_cache=False).logits.float()
         if temperature > 0:
             logits = logits / temperature
         logp = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
@@ -138,7 +141,8 @@ class TrainerActor:
             for r, p in zip(self.ref_model.parameters(), self.model.parameters()):
                 r.data.copy_(p.data)
             self.ref_ready = True
-        logits = self.ref_model(input_ids=t["input_ids"], attention_mask=t["attention_mask"]).logits.float()
+        logits = self.ref_model(input_ids=t["input_ids"], attention_mask=t["attention_mask"],
+                                use_cache=False).logits.float()
         if self.temperature > 0:
             logits = logits / self.temperature
         logp = torch.log_softmax(logits[:, :-1], dim=-1)

@@ -41,9 +41,12 @@ AGGREGATIONS = ("token", "sequence", "constant")
 
 
 def mismatch_kl(logp_train: Tensor, logp_infer: Tensor, mask: Tensor) -> Tensor:
-    """Sum over masked tokens of the k3 estimate of KL(infer || train): e^d - d - 1, d = train - infer."""
-    d = (logp_train - logp_infer).detach()
-    return ((torch.exp(d) - d - 1) * mask).sum()
+    """Sum over masked tokens of the k3 estimate of KL(infer || train): e^d - d - 1, d = train - infer.
+
+    In float64: in fp32, e^d - d - 1 rounds to exactly 0 for |d| below ~3e-4.
+    """
+    d = (logp_train - logp_infer).detach().double()
+    return ((torch.exp(d) - d - 1) * mask.double()).sum()
 
 
 def k3_kl(logp: Tensor, logp_ref: Tensor) -> Tensor:

@@ -14,6 +14,8 @@ BENCHMARKS = {  # subcommand: (module, one line)
     "async": ("rlray.bench.async_rl", "wall-clock of the same RL steps at max_off_policy_steps 0, 1, 2"),
     "trainer": ("rlray.bench.trainer_step", "TrainerActor.train_step tokens/s vs a bare FSDP2 loop"),
     "rollout": ("rlray.bench.rollout_gen", "rlray rollout path tokens/s vs vLLM's LLM.generate"),
+    "memory": ("rlray.bench.memory", ("peak memory per trainer rank loading and stepping a dense and an MoE "
+                                      "model on 1, 2, 4 ranks, against the full model")),
     "gpu-step": ("rlray.bench.gpu_step", ("trainer step time and MFU of a ~1B dense model and a small MoE "
                                           "(one GPU, no Ray; --size tiny runs on CPU)")),
 }

@@ -50,6 +50,9 @@ def load_env(env_id: str, args: dict[str, Any] | None = None, python_path: Seque
     import verifiers as vf
 
     vf.setup_logging("WARNING")
+    from datasets.utils.logging import disable_progress_bar
+
+    disable_progress_bar()  # an environment's dataset maps would print a bar per split and rollout actor
     with _no_signal_handlers():
         try:
             vf_env = vf.load_environment(module_name(env_id), **dict(args or {}))

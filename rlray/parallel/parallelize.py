@@ -78,14 +78,25 @@ def param_groups(params: Iterable[nn.Parameter]) -> list[list[nn.Parameter]]:
 
 @torch.no_grad()
 def clip_grad_norm_(params: Iterable[nn.Parameter], max_norm: float) -> torch.Tensor:
-    """Scale gradients so that their global L2 norm is at most `max_norm`; returns the norm before."""
-    squares = []
-    groups = [[p for p in g if p.grad is not None] for g in param_groups(params)]
-    groups = [g for g in groups if g]
-    for group in groups:
-        norm = torch.nn.utils.get_total_norm([p.grad for p in group], 2.0)
-        squares.append((norm.full_tensor() if isinstance(norm, DTensor) else norm).float() ** 2)
-    total = torch.stack(squares).sum().sqrt() if squares else torch.zeros(())
-    for group in groups:
+    """Scale gradients so that their global L2 norm is at most `max_norm`; returns the norm before.
+
+    Every gradient is a DTensor sharded (never replicated) over meshes that together span all
+    ranks, dense and expert alike, so the global norm^2 is one all-reduce of the local sums.
+    """
+    params = [p for p in params if p.grad is not None]
+    local = torch.zeros((), dtype=torch.float64, device=params[0].grad.device if params else "cpu")
+    for p in params:
+        g = p.grad
+        if isinstance(g, DTensor):
+            assert not any(pl.is_replicate() or pl.is_partial() for pl in g.placements), g.placements
+            assert g.device_mesh.size() == dist.get_world_size(), "a gradient's mesh must span every rank"
+            g = g.to_local()
+        elif dist.is_initialized() and dist.get_world_size() > 1:
+            raise AssertionError("an unsharded gradient would be counted once per rank")
+        local += g.double().pow(2).sum()
+    if dist.is_initialized():
+        dist.all_reduce(local)
+    total = local.sqrt().float()
+    for group in param_groups(params):
         torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
     return total

@@ -188,11 +188,12 @@ def test_rayjob_entrypoint_runs_an_existing_recipe_that_fits_the_cluster() -> No
     t, r = c.trainer, c.rollout
     need_gpus = t.num_ranks * t.gpus_per_rank + r.num_actors * r.gpus_per_actor
     need_cpus = t.num_ranks * t.cpus_per_rank + r.num_actors * r.cpus_per_actor
-    assert cluster_gpus == c.cluster.num_gpus == 16, (cluster_gpus, c.cluster.num_gpus)
-    assert need_gpus <= cluster_gpus and need_cpus <= cluster_cpus
-    assert [(n, gpus(cont)) for n, cont in groups] == [(2, 8)]  # 2 workers x 8 GPUs
+    assert cluster_gpus == need_gpus == 40, (cluster_gpus, need_gpus)  # the recipe's plan uses every GPU
+    assert need_cpus <= cluster_cpus
+    assert [(n, gpus(cont)) for n, cont in groups] == [(5, 8)]  # 5 workers x 8 GPUs
     per_node = max(gpus(cont) for _, cont in groups)
-    assert c.trainer.num_ranks * c.trainer.gpus_per_rank <= per_node  # the trainer group fits one node
+    assert (t.num_ranks * t.gpus_per_rank) % per_node == 0  # the trainer takes whole nodes
+    assert per_node % t.ep == 0 and per_node % r.gpus_per_actor == 0  # EP groups and engines within a node
 
 
 def test_raycluster_matches_the_rayjob_cluster() -> None:

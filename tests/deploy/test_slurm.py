@@ -147,7 +147,9 @@ def test_allocation_fits_the_default_recipe() -> None:
     default = re.search(r'^RECIPE="\$\{RECIPE:-(\w+)\}"', text, re.MULTILINE).group(1)
     recipe = yaml.safe_load((ROOT / "recipes" / f"{default}.yaml").read_text())
     assert default == "glm_moe"
-    assert int(sbatch["nodes"]) * int(sbatch["gpus-per-node"]) == recipe["cluster"]["num_gpus"] == 16
+    t, r = recipe["trainer"], recipe["rollout"]
+    need = t["num_ranks"] * t["gpus_per_rank"] + r["num_actors"] * r["gpus_per_actor"]
+    assert int(sbatch["nodes"]) * int(sbatch["gpus-per-node"]) == need == 40
     assert sbatch["ntasks-per-node"] == "1"  # one Ray node per Slurm node
     assert text.startswith("#!/bin/bash\n")
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import socket
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -18,10 +20,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _run(rank: int, worker: Callable[..., None], *args: Any) -> None:
+    worker(rank, *args)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Skip interpreter teardown: gloo/FSDP threads occasionally abort it (SIGABRT) after the work is done.
+    os._exit(0)
+
+
 def spawn(worker: Callable[..., None], world: int, *args: Any) -> dict:
     """Run `worker(rank, world, port, out, *args)` on `world` processes; returns the `out` dict."""
     out = mp.Manager().dict()
-    mp.spawn(worker, args=(world, free_port(), out, *args), nprocs=world, join=True)
+    mp.spawn(_run, args=(worker, world, free_port(), out, *args), nprocs=world, join=True)
     return dict(out)
 
 

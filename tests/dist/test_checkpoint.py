@@ -2,19 +2,18 @@
 
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 
 import numpy as np
 import torch
-import torch.multiprocessing as mp
 
 from rlray import checkpoint
 from rlray.config import AlgoConfig, TrainerConfig
+from tests.dist.common import spawn
 from tests.dist.test_fsdp_trainer import MODEL, batch
 
 
-def worker(rank: int, world: int, port: int, root: str, out: dict) -> None:
+def worker(rank: int, world: int, port: int, out: dict, root: str) -> None:
     from rlray.trainer import TrainerActor
 
     t = TrainerActor(rank, world, f"127.0.0.1:{port}", MODEL, TrainerConfig(lr=1e-2, num_ranks=world),
@@ -44,11 +43,7 @@ def worker(rank: int, world: int, port: int, root: str, out: dict) -> None:
 
 
 def test_save_load_round_trip(tmp_path) -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    out = mp.Manager().dict()
-    mp.spawn(worker, args=(2, port, str(tmp_path), out), nprocs=2, join=True)
+    out = spawn(worker, 2, str(tmp_path))
     assert out["moved"] > 1e-4
     assert out["restored"] == 0.0
     assert out["replayed"] < 1e-6

@@ -4,21 +4,20 @@ and an entry whose files were truncated is rebuilt instead of loaded."""
 
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from rlray.config import ModelConfig
 from rlray.models.tiny import MANIFEST, is_complete, model_path
+from tests.dist.common import spawn
 
 FIRST = ModelConfig(num_layers=1, hidden_size=64, intermediate_size=64, num_heads=2, num_kv_heads=1, seed=11)
 SECOND = ModelConfig(arch="qwen3_moe", num_layers=1, hidden_size=64, num_heads=2, num_kv_heads=1,
                      moe_intermediate_size=32, seed=12)
 
 
-def worker(rank: int, port: int, cache: str) -> None:
+def worker(rank: int, world: int, port: int, out: dict, cache: str) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     if rank == 1:  # a rank other than 0 builds alone: under the old cache it wrote only the tokenizer
         model_path(FIRST, Path(cache))
@@ -37,10 +36,7 @@ def _loads(path: str) -> None:
 
 
 def test_ranks_build_loadable_entries_and_a_truncated_one_is_rebuilt(tmp_path) -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(worker, args=(port, str(tmp_path)), nprocs=2, join=True)
+    spawn(worker, 2, str(tmp_path))
     entries = sorted(p for p in tmp_path.iterdir() if not p.name.startswith("."))
     assert len(entries) == 2 and all(is_complete(e) for e in entries)
     for cfg in (FIRST, SECOND):

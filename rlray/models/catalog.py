@@ -1,0 +1,44 @@
+"""The architectures of the models rlray's recipes name, for planning without the hub.
+
+Contract: `hf_config_of(name)` returns a transformers config for a model name: a local folder
+(its config.json), an id in `CATALOG` (the hub's config.json values, copied here so that a dry
+run and the memory plan work offline), or any other hub id (fetched by transformers).
+Training always reads the checkpoint's own config.json; the catalog only sizes the plan.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+GLM45_AIR = {  # zai-org/GLM-4.5-Air: 106B total, 12B active
+    "vocab_size": 151552, "hidden_size": 4096, "intermediate_size": 10944, "num_hidden_layers": 46,
+    "num_attention_heads": 96, "num_key_value_heads": 8, "head_dim": 128, "attention_bias": True,
+    "moe_intermediate_size": 1408, "n_routed_experts": 128, "n_shared_experts": 1, "num_experts_per_tok": 8,
+    "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1, "norm_topk_prob": True,
+    "routed_scaling_factor": 1.0, "partial_rotary_factor": 0.5, "max_position_embeddings": 131072,
+    "rope_theta": 1000000.0, "tie_word_embeddings": False, "use_qk_norm": False, "rms_norm_eps": 1e-5,
+}
+QWEN3_30B_A3B = {  # Qwen/Qwen3-30B-A3B: 30.5B total, 3.3B active
+    "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 48,
+    "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "moe_intermediate_size": 768,
+    "num_experts": 128, "num_experts_per_tok": 8, "decoder_sparse_step": 1, "norm_topk_prob": True,
+    "max_position_embeddings": 40960, "rope_theta": 1000000.0, "tie_word_embeddings": False,
+    "rms_norm_eps": 1e-6,
+}
+CATALOG: dict[str, tuple[str, dict[str, Any]]] = {
+    "zai-org/GLM-4.5-Air": ("glm4_moe", GLM45_AIR),
+    "Qwen/Qwen3-30B-A3B": ("qwen3_moe", QWEN3_30B_A3B),
+}
+
+
+def hf_config_of(name: str) -> tuple[Any, str]:
+    """(config, where it came from)."""
+    from transformers import AutoConfig
+
+    if Path(name).is_dir():
+        return AutoConfig.from_pretrained(name), f"{name}/config.json"
+    if name in CATALOG:
+        model_type, values = CATALOG[name]
+        return AutoConfig.for_model(model_type, **values), "rlray's catalog of its recipes' models (offline)"
+    return AutoConfig.from_pretrained(name), f"the hub's {name}/config.json"

@@ -1,0 +1,267 @@
+"""The run's plan, computed before any actor starts: bundles, trainer mesh, engines, memory per GPU.
+
+Contract: `make_plan(config)` reads only the model's architecture (rlray.models.catalog; a
+meta-device build counts its parameters exactly: no weights, no Ray) and returns a `Plan`:
+`render()` is what `dry_run=true` prints (`summary()` its one-line digest), `problems()` lists what cannot fit, one line each
+naming the part, the shortfall and a fix, and `gpus`/`cpus` are what the run asks of the
+cluster. `check_local(config)` refuses a local run whose bundles need GPUs that torch cannot
+see (a local Ray declares exactly those) or more CPUs than `cluster.num_cpus`. The memory figures are estimates (formulas below), stated as such.
+
+Trainer, per rank (N ranks, P parameters, FSDP2 shards everything over the N ranks, experts over
+ep x efsdp = N as well): fp32 master weights 4P/N, fp32 gradients 4P/N, AdamW 8P/N; the
+gathered working set (two decoder layers in the compute dtype, with this rank's E/ep experts,
+plus one layer's fp32 gradients before reduce-scatter, plus embedding and head); activations
+for `micro_batch_tokens` T: per layer T x b x (6H + 2 q-width + 2 kv-width + MLP widths), every
+layer without checkpointing, or the layer inputs plus one layer with it; fp32 logits and
+their gradient, T x V x (b + 8); a fixed 4 GB for the CUDA context and NCCL.
+Engine, per GPU (tensor parallel TP): weights P x b / TP; the KV cache gets what is left of
+`kv_cache_fraction` of the GPU after weights and a 2 GB activation reserve (or exactly
+`kv_cache_gb`), at 2 x layers x kv_heads x head_dim x b / TP bytes per token.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from rlray.config import Config, ConfigError
+from rlray.parallel.dims import ParallelDims, num_experts
+
+GB = 1e9
+BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+OVERHEAD_GB = 4.0  # CUDA context, NCCL buffers, allocator slack per trainer GPU
+ENGINE_RESERVE_GB = 2.0  # vLLM's activation peak per GPU, beside weights and KV
+
+
+@dataclass
+class ModelShape:
+    """What the plan needs to know about a model, counted on the meta device."""
+
+    name: str
+    source: str
+    arch: str
+    params: int
+    expert_params: int
+    root_params: int  # embedding, head and final norm: outside the decoder layers
+    layer_dense: int  # the largest decoder layer's non-expert parameters
+    layer_experts: int  # the largest decoder layer's routed-expert parameters
+    hf: Any = field(repr=False)
+
+    @property
+    def experts(self) -> int:
+        return num_experts(self.hf)
+
+    @property
+    def active_params(self) -> int:
+        k = getattr(self.hf, "num_experts_per_tok", 0) or 0
+        return self.params - self.expert_params + (self.expert_params * k // self.experts if self.experts else 0)
+
+    def dim(self, key: str, default: int = 0) -> int:
+        return int(getattr(self.hf, key, None) or default)
+
+
+def model_shape(c: Config) -> ModelShape:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from rlray.models.catalog import hf_config_of
+    from rlray.parallel.expert import moe_experts
+    from rlray.parallel.parallelize import decoder_layers
+
+    if c.model.name == "tiny":
+        from rlray.data.tokenizer import char_tokenizer
+        from rlray.models.tiny import hf_config
+
+        tok = char_tokenizer()
+        hf, source = hf_config(c.model, len(tok), tok), "rlray's tiny-model factory"
+    else:
+        hf, source = hf_config_of(c.model.name)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf)
+    count = lambda module: sum(p.numel() for p in module.parameters())
+    experts = {name: count(m) for name, m in moe_experts(model)}
+    layers = decoder_layers(model)
+    per_layer = [(count(layer), sum(n for name, n in experts.items() if name.startswith(f"model.layers.{i}.")))
+                 for i, layer in enumerate(layers)]
+    dense, routed = max(per_layer, key=lambda t: t[0])
+    total = count(model)
+    return ModelShape(c.model.name, source, type(model).__name__, total, sum(experts.values()),
+                      total - sum(t for t, _ in per_layer), dense - routed, routed, hf)
+
+
+def _activations(s: ModelShape, c: Config, checkpointing: bool) -> float:
+    t, b = c.trainer.micro_batch_tokens, BYTES[c.trainer.param_dtype]
+    hidden, heads, kv = s.dim("hidden_size"), s.dim("num_attention_heads"), s.dim("num_key_value_heads")
+    head_dim = s.dim("head_dim", hidden // max(heads, 1))
+    if s.experts:
+        k, inter = s.dim("num_experts_per_tok"), s.dim("moe_intermediate_size")
+        shared = s.dim("n_shared_experts") * inter
+        mlp = k * (hidden + 3 * inter) + (hidden + 3 * shared if shared else 0)
+    else:
+        mlp = hidden + 3 * s.dim("intermediate_size")
+    one_layer = t * b * (6 * hidden + 2 * heads * head_dim + 2 * kv * head_dim + mlp)
+    layers = s.dim("num_hidden_layers")
+    return (layers * t * hidden * b + one_layer) if checkpointing else layers * one_layer
+
+
+def trainer_memory(s: ModelShape, c: Config) -> dict[str, float]:
+    """Estimated bytes per trainer rank, by part."""
+    n, ep, b = c.trainer.num_ranks, c.trainer.ep, BYTES[c.trainer.param_dtype]
+    layer = s.layer_dense + s.layer_experts / ep
+    t, vocab = c.trainer.micro_batch_tokens, s.dim("vocab_size")
+    return {"fp32 weights": 4 * s.params / n, "fp32 gradients": 4 * s.params / n, "AdamW state": 8 * s.params / n,
+            "gathered layers": layer * (2 * b + 4) + s.root_params * b,
+            "activations": _activations(s, c, c.trainer.activation_checkpointing),
+            "logits": t * vocab * (b + 8), "context": OVERHEAD_GB * GB}
+
+
+def engine_memory(s: ModelShape, c: Config) -> dict[str, float]:
+    """Estimated bytes per engine GPU: weights, KV cache and the sequences of max_model_len it holds."""
+    r, tp = c.rollout, c.rollout.tensor_parallel_size
+    b = BYTES.get(r.dtype, 2)
+    weights = s.params * b / tp
+    if r.kv_cache_gb > 0:
+        kv = r.kv_cache_gb * 2**30
+    else:
+        kv = r.kv_cache_fraction * c.cluster.gpu_memory_gb * GB - weights - ENGINE_RESERVE_GB * GB
+    heads = max(1, s.dim("num_key_value_heads") // tp)
+    head_dim = s.dim("head_dim", s.dim("hidden_size") // max(s.dim("num_attention_heads"), 1))
+    per_token = 2 * s.dim("num_hidden_layers") * heads * head_dim * b
+    return {"weights": weights, "KV cache": max(kv, 0.0), "sequences": max(kv, 0.0) / (per_token * r.max_model_len)}
+
+
+@dataclass
+class Plan:
+    c: Config
+    shape: ModelShape
+    dims: ParallelDims
+    trainer: dict[str, float]
+    engine: dict[str, float]
+    activations_other: float  # with the other activation-checkpointing setting, for comparison
+
+    @property
+    def states_gb(self) -> float:
+        return sum(self.trainer[k] for k in ("fp32 weights", "fp32 gradients", "AdamW state")) / GB
+
+    @property
+    def tokens_gb(self) -> float:
+        return (self.trainer["activations"] + self.trainer["logits"]) / GB
+
+    @property
+    def on_gpu(self) -> bool:
+        return self.c.trainer.gpus_per_rank > 0
+
+    @property
+    def gpus(self) -> float:
+        t, r = self.c.trainer, self.c.rollout
+        return t.num_ranks * t.gpus_per_rank + r.num_actors * r.gpus_per_actor
+
+    @property
+    def cpus(self) -> float:
+        t, r = self.c.trainer, self.c.rollout
+        return t.num_ranks * t.cpus_per_rank + r.num_actors * r.cpus_per_actor
+
+    def problems(self) -> list[str]:
+        c, out = self.c, []
+        try:
+            self.dims.check_model(self.shape.hf)
+        except ValueError as e:
+            out.append(str(e))
+        heads = self.shape.dim("num_attention_heads")
+        tp = c.rollout.tensor_parallel_size
+        if heads % tp:
+            out.append(f"rollout.tensor_parallel_size={tp} does not divide the model's {heads} attention heads")
+        if c.rollout.gpus_per_actor and c.rollout.gpus_per_actor != tp:
+            out.append(f"rollout.gpus_per_actor={c.rollout.gpus_per_actor} but rollout.tensor_parallel_size={tp}: "
+                       "an engine uses one GPU per tensor-parallel worker; make them equal")
+        if not self.on_gpu:
+            return out
+        mem, need = c.cluster.gpu_memory_gb, sum(self.trainer.values()) / GB
+        if need > mem:
+            fixes = [(f"raise trainer.num_ranks (weights, gradients and AdamW: {self.states_gb:.0f} GB, shrink "
+                     f"as 1/num_ranks)")]
+            if not c.trainer.activation_checkpointing:
+                fixes.append("set trainer.activation_checkpointing=true")
+            fixes.append(f"lower trainer.micro_batch_tokens (activations and logits: {self.tokens_gb:.0f} GB)")
+            out.append(f"trainer: needs ~{need:.0f} GB per GPU but cluster.gpu_memory_gb={mem:g}; "
+                       + ", ".join(fixes))
+        if c.rollout.gpus_per_actor and self.engine["sequences"] < 1:
+            out.append(f"rollout: {self.shape.name} takes {self.engine['weights'] / GB:.0f} GB per GPU at "
+                       f"tensor_parallel_size={tp}, leaving no KV cache for one {c.rollout.max_model_len}-token "
+                       f"sequence in {c.rollout.kv_cache_fraction:g} x {mem:g} GB; raise rollout.tensor_parallel_size "
+                       "and rollout.gpus_per_actor together, or rollout.kv_cache_fraction")
+        return out
+
+    def summary(self) -> str:
+        """One line for the console of a real run (the whole plan goes to plan.txt)."""
+        d, e = self.dims, self.engine
+        return (f"plan: {self.shape.name}, {self.shape.params / 1e9:.3g}B parameters; trainer dp_shard={d.dp_shard} "
+                f"ep={d.ep}, ~{sum(self.trainer.values()) / GB:.1f} GB per rank; {self.c.rollout.num_actors} engine(s) "
+                f"x TP {self.c.rollout.tensor_parallel_size}, {e['weights'] / GB:.2f} GB weights each")
+
+    def render(self) -> str:
+        c, s, d = self.c, self.shape, self.dims
+        t, r = c.trainer, c.rollout
+        lines = [(f"model {s.name} ({s.arch}): {s.params / 1e9:.2f}B parameters, {s.active_params / 1e9:.2f}B active "
+                 f"per token; architecture from {s.source}"),
+                 "placement groups",
+                 f"  rlray-trainer: {t.num_ranks} bundles x {{CPU: {t.cpus_per_rank:g}, GPU: {t.gpus_per_rank:g}}}",
+                 f"  rlray-rollout: {r.num_actors} bundles x {{CPU: {r.cpus_per_actor:g}, GPU: {r.gpus_per_actor:g}}}",
+                 f"  total: {self.gpus:g} GPUs, {self.cpus:g} CPUs (+ the driver and the buffer actor, 0 CPUs)",
+                 f"trainer mesh: dp_shard={d.dp_shard}, ep={d.ep}, efsdp={d.efsdp}, cp={d.cp}",
+                 f"  every rank: 1/{d.dp_shard} of each dense parameter"]
+        if d.ep_enabled:
+            per = s.experts // d.ep
+            lines.append(f"  rank r: experts [{per}*(r % {d.ep}), {per}*(r % {d.ep}) + {per}) of every MoE layer, "
+                         f"FSDP-sharded with the {d.efsdp} ranks r % {d.ep} + {d.ep}*j; all-to-all within ranks "
+                         f"{d.ep}*(r // {d.ep}) .. +{d.ep - 1}")
+        lines.append(f"rollout: {r.num_actors} engines x tensor_parallel_size={r.tensor_parallel_size}, "
+                     f"{r.dtype}; weight group of 1 + {r.num_actors * r.tensor_parallel_size} workers")
+        where = f"GPU of {c.cluster.gpu_memory_gb:g} GB" if self.on_gpu else "CPU rank (host RAM)"
+        lines.append(f"memory per trainer {where} (estimate, GB):")
+        lines += [f"  {k:<16}{v / GB:8.2f}" for k, v in self.trainer.items()]
+        lines.append(f"  {'total':<16}{sum(self.trainer.values()) / GB:8.2f}   (activations with "
+                     f"activation_checkpointing={not t.activation_checkpointing}: {self.activations_other / GB:.2f})")
+        e = self.engine
+        lines.append(f"memory per engine {'GPU' if r.gpus_per_actor else 'CPU'} (estimate): weights "
+                     f"{e['weights'] / GB:.2f} GB, KV cache {e['KV cache'] / GB:.2f} GB = {e['sequences']:.0f} "
+                     f"sequences of {r.max_model_len} tokens")
+        return "\n".join(lines)
+
+
+def make_plan(c: Config) -> Plan:
+    shape = model_shape(c)
+    dims = ParallelDims(c.trainer.num_ranks, ep=c.trainer.ep)
+    other = _activations(shape, c, not c.trainer.activation_checkpointing)
+    return Plan(c, shape, dims, trainer_memory(shape, c), engine_memory(shape, c), other)
+
+
+def is_local(c: Config) -> bool:
+    return c.cluster.address is None and not os.environ.get("RAY_ADDRESS")
+
+
+def check_local(c: Config, command: str = "python -m rlray.launch ...") -> None:
+    """A local Ray cluster gets exactly the GPUs torch sees and `cluster.num_cpus` CPUs."""
+    if not is_local(c):
+        return
+    t, r = c.trainer, c.rollout
+    need = t.num_ranks * t.gpus_per_rank + r.num_actors * r.gpus_per_actor
+    seen = 0
+    if need or c.cluster.num_gpus:
+        import torch
+
+        seen = torch.cuda.device_count()
+    if c.cluster.num_gpus is not None and c.cluster.num_gpus > seen:
+        raise ConfigError(f"cluster.num_gpus={c.cluster.num_gpus} but torch sees {seen} GPUs here; a local Ray "
+                          "cluster cannot declare GPUs that do not exist (leave cluster.num_gpus unset)")
+    if need > seen:
+        raise ConfigError(f"run '{c.run.name}' needs {need:g} GPUs (trainer {t.num_ranks} x {t.gpus_per_rank:g}, "
+                          f"rollout {r.num_actors} x {r.gpus_per_actor:g}) but torch sees {seen} on this machine; "
+                          f"submit it to a Ray cluster (ray job submit --address http://HEAD:8265 --working-dir . -- "
+                          f"{command}), or run its CPU twin here ({command} +twin=cpu)")
+    cpus = t.num_ranks * t.cpus_per_rank + r.num_actors * r.cpus_per_actor
+    if cpus > c.cluster.num_cpus:
+        raise ConfigError(f"trainer ({t.num_ranks}x{t.cpus_per_rank:g}) + rollout ({r.num_actors}x"
+                          f"{r.cpus_per_actor:g}) need {cpus:g} CPUs but cluster.num_cpus={c.cluster.num_cpus}; "
+                          "raise cluster.num_cpus or lower the counts")

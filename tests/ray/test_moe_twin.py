@@ -1,0 +1,60 @@
+"""The CPU twin of the glm_moe recipe (`+recipe=glm_moe +twin=cpu`) on a local Ray cluster: a tiny
+GLM-4.5-architecture MoE trained with expert parallelism over 2 trainer ranks (and activation
+checkpointing), served by vLLM, synchronous (max_off_policy_steps=0) so every step's rollouts come
+from the weights just synced; it crashes, resumes from its EP-sharded checkpoint and finishes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from rlray.controller import run
+from rlray.metrics import Metrics
+from tests.ray.conftest import tiny_config
+
+
+class Crash(RuntimeError):
+    pass
+
+
+def rl_records(run_dir: str) -> list[dict]:
+    lines = (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r["stage"] == "rl"]
+
+
+def test_glm_moe_twin_trains_with_ep_checkpoints_and_resumes(ray_cluster, tmp_path, monkeypatch) -> None:
+    c = tiny_config(tmp_path, "+recipe=glm_moe", "+twin=cpu", "rl.steps=6", "checkpoint.every=3",
+                    "async.max_off_policy_steps=0", "eval.num_examples=8")
+    assert (c.model.name, c.model.arch, c.trainer.ep, c.trainer.num_ranks) == ("tiny", "glm4_moe", 2, 2)
+    assert c.trainer.activation_checkpointing and c.stages == ["rl"] and c.env.mix[0].id == "reverse_text"
+    real_log = Metrics.log
+
+    def crash_at_rl_step_4(self, stage, step, values, total=None) -> None:
+        if stage == "rl" and step == 4:
+            raise Crash("killed")
+        real_log(self, stage, step, values, total)
+
+    monkeypatch.setattr(Metrics, "log", crash_at_rl_step_4)
+    with pytest.raises(Crash):
+        run(c)
+    monkeypatch.setattr(Metrics, "log", real_log)
+    summary = run(c)
+
+    rl = rl_records(c.run.dir)
+    assert [r["step"] for r in rl] == [0, 1, 2, 3, 3, 4, 5]  # resumed from the step-3 checkpoint
+    for r in rl:
+        assert r["mismatch_kl"] < 1e-3, r  # vLLM's MoE scores its own samples as the EP trainer does
+        assert r["lag_max"] == 0 and r["completion_tokens"] > 0
+        assert r["moe_load_max_mean"] >= 1.0 and r["moe_load_max_mean_worst"] >= r["moe_load_max_mean"]
+    assert any(r["grad_norm"] > 0 for r in rl) and any(r["reward_std"] > 0 for r in rl)  # it learns
+    assert 0.0 <= summary["rl_end_reward"] <= 1.0
+
+
+def test_a_connected_cluster_is_checked_against_the_plan(ray_cluster) -> None:
+    from rlray import cluster
+
+    assert cluster.check_resources(0, 2).endswith("enough")
+    with pytest.raises(ValueError, match="the Ray cluster has 0 GPUs and 8 CPUs but the run needs 40 GPUs"):
+        cluster.check_resources(40, 256)

@@ -1,0 +1,87 @@
+"""The plan: what dry_run prints, what cannot fit, and the memory formulas on hand-computed cases."""
+
+from __future__ import annotations
+
+import pytest
+
+from rlray.config import Config
+from rlray.plan import GB, make_plan
+from tests.unit.test_config import launch
+
+
+def test_dry_run_of_the_full_glm_recipe_prints_the_plan_and_starts_nothing() -> None:
+    result = launch("+recipe=glm_moe", "dry_run=true")
+    assert result.returncode == 0, result.stderr[-2000:]
+    out = result.stdout
+    for needle in ("zai-org/GLM-4.5-Air (Glm4MoeForCausalLM): 106.85B parameters", "rlray-trainer: 24 bundles",
+                   "rlray-rollout: 4 bundles x {CPU: 16, GPU: 4}", "dp_shard=24, ep=8, efsdp=3",
+                   "experts [16*(r % 8)", "weight group of 1 + 16 workers", "memory per trainer GPU of 141 GB",
+                   "plan fits"):
+        assert needle in out, (needle, out)
+    assert "controller reached" not in result.stderr
+
+
+def test_a_plan_that_cannot_fit_fails_with_one_line() -> None:
+    result = launch("+recipe=glm_moe", "dry_run=true", "trainer.num_ranks=2", "trainer.ep=2")
+    assert result.returncode == 1
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "trainer: needs ~889 GB per GPU but cluster.gpu_memory_gb=141" in lines[0], lines
+
+
+def test_the_gpu_recipe_on_this_machine_fails_at_once_naming_the_two_ways_on() -> None:
+    code = ("import sys, types; c = types.ModuleType('rlray.controller'); "
+            "c.run = lambda cfg: sys.exit('controller reached'); sys.modules['rlray.controller'] = c; "
+            "from rlray.launch import main; sys.argv = ['launch', '+recipe=glm_moe']\n"
+            "try:\n    main()\nfinally:\n    print('ray imported' if 'ray' in sys.modules else 'no ray')")
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1 and "no ray" in result.stdout
+    (line,) = result.stderr.strip().splitlines()
+    assert "needs 40 GPUs" in line and "torch sees 0" in line
+    assert "ray job submit" in line and "+recipe=glm_moe +twin=cpu" in line
+
+
+def _tiny(**trainer: object) -> Config:
+    c = Config()
+    for k, v in trainer.items():
+        setattr(c.trainer, k, v)
+    c.rollout.gpus_per_actor, c.trainer.gpus_per_rank = 1, 1
+    return c
+
+
+def test_memory_formulas_on_a_hand_computed_model() -> None:
+    from transformers import AutoModelForCausalLM
+
+    from rlray.data.tokenizer import char_tokenizer
+    from rlray.models.tiny import hf_config
+
+    c = _tiny(num_ranks=4, micro_batch_tokens=100, activation_checkpointing=False)
+    tok = char_tokenizer()
+    params = sum(p.numel() for p in AutoModelForCausalLM.from_config(hf_config(c.model, len(tok), tok)).parameters())
+    plan = make_plan(c)
+    assert plan.shape.params == params
+    assert plan.trainer["fp32 weights"] == plan.trainer["fp32 gradients"] == 4 * params / 4
+    assert plan.trainer["AdamW state"] == 8 * params / 4
+    # 100 tokens x 4 bytes x (6*128 + 2*4*32 + 2*2*32 + 128 + 3*512) per layer, 4 layers
+    assert plan.trainer["activations"] == 4 * 100 * 4 * (768 + 256 + 128 + 128 + 1536)
+    assert plan.trainer["logits"] == 100 * len(tok) * (4 + 8)
+    # KV per token: 2 x 4 layers x 2 kv heads x 32 x 4 bytes = 2048; kv_cache_gb=0.25 over max_model_len 128
+    assert plan.engine["sequences"] == pytest.approx(0.25 * 2**30 / (2048 * 128))
+    c.trainer.activation_checkpointing = True
+    ac = make_plan(c).trainer["activations"]
+    assert ac == 4 * 100 * 128 * 4 + 100 * 4 * (768 + 256 + 128 + 128 + 1536)
+    assert plan.problems() == []
+
+
+def test_engine_shapes_that_cannot_serve_are_named() -> None:
+    c = _tiny()
+    c.rollout.tensor_parallel_size, c.rollout.gpus_per_actor = 3, 2
+    problems = make_plan(c).problems()
+    assert any("tensor_parallel_size=3 does not divide the model's 4 attention heads" in p for p in problems)
+    assert any("gpus_per_actor=2 but rollout.tensor_parallel_size=3" in p for p in problems)
+    c.rollout.tensor_parallel_size, c.rollout.gpus_per_actor = 1, 1
+    c.rollout.kv_cache_gb, c.cluster.gpu_memory_gb, c.rollout.kv_cache_fraction = 0, 1, 0.5
+    assert any("leaving no KV cache" in p for p in make_plan(c).problems())
+    assert make_plan(c).engine["KV cache"] == 0 < GB
