@@ -90,6 +90,7 @@ def _worker(rank: int, world: int, port: int, path: str, ep: int, out: str) -> N
     Path(out, f"{rank}.json").write_text(json.dumps(
         {"params": held, "load": loaded - base, "step": stepped - base}))
     torch.distributed.destroy_process_group()
+    os._exit(0)  # FSDP2 on gloo can abort in interpreter teardown after all work is done
 
 
 def _full_load(_rank: int, path: str, out: str) -> None:

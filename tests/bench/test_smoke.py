@@ -108,3 +108,18 @@ def test_async_quick(tmp_path: Path) -> None:
         assert r["steps"] == report["params"]["steps"]
     assert rows[0]["lag_mean"] == 0.0
     assert rows[0]["speedup"] == 1.0
+
+
+@pytest.mark.bench
+@pytest.mark.dist
+def test_memory_quick(tmp_path: Path) -> None:
+    stdout, report = bench("memory", tmp_path)
+    rows = report["rows"]
+    assert [(r["model"], r["ranks"]) for r in rows] == [
+        ("tiny-dense", "full load"), ("tiny-dense", 1), ("tiny-dense", 2),
+        ("tiny-moe", "full load"), ("tiny-moe", 1), ("tiny-moe", 2)]
+    positive([r for r in rows if r["ranks"] != "full load"], "full_gb", "params_gb", "load_gb", "step_gb")
+    for r in rows:
+        if r["ranks"] == 2:  # half the parameters each, experts included (tiny-moe runs ep=2)
+            assert r["params_gb"] <= 0.6 * r["full_gb"] and r["ep"] == (2 if "moe" in r["model"] else 1)
+    assert "tiny-moe params/rank / full, 2 ranks" in stdout
