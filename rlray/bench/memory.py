@@ -8,7 +8,8 @@ bytes it holds (`resident_bytes`) and the growth of its peak resident set size (
 over the process after its imports and process-group set-up, once the model is loaded and once the step (gradients,
 AdamW state, activations) is done. The ratios divide rank 0's figures by the full model's fp32
 bytes. For comparison, `full load` is one process loading the same checkpoint whole with
-transformers' `from_pretrained`, what every rank did before sharded loading.
+transformers' `from_pretrained` and reading every weight once, what every rank did before
+sharded loading. Both count the checkpoint's memory-mapped pages a process has read.
 """
 
 from __future__ import annotations
@@ -100,7 +101,9 @@ def _full_load(_rank: int, path: str, out: str) -> None:
     torch.set_num_threads(1)
     _warm(path)
     base = peak_rss()
-    AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    with torch.no_grad():  # transformers may keep weights as views of the mmapped file until they are read
+        sum(float(p.sum()) for p in model.parameters())
     Path(out, "full.json").write_text(json.dumps({"load": peak_rss() - base}))
 
 

@@ -1,6 +1,7 @@
 """Sharded model build: no rank ever materialises the whole model.
 
-Contract: `build_model(path, dims, cfg, device)` reads the transformers config at `path`,
+Contract: `build_model(path, dims, cfg, device)` reads the transformers config at `path` (a
+folder, or a hub id whose snapshot `local_folder` fetches),
 builds the model on the meta device, applies `rlray.parallel.parallelize` (EP, activation
 checkpointing, FSDP2), allocates only this rank's shards on `device`, and fills each one
 from the checkpoint's safetensors files, reading just the slice that shard covers
@@ -38,17 +39,29 @@ def hf_config(path: str) -> Any:
     return AutoConfig.from_pretrained(path)
 
 
+def local_folder(name: str) -> Path:
+    """A checkpoint folder on this node: `name` itself, or the hub snapshot of that id (downloaded once
+    into the Hugging Face cache, which the ranks of a node share)."""
+    if Path(name).is_dir():
+        return Path(name)
+    from huggingface_hub import snapshot_download
+
+    patterns = ["*.json", "*.safetensors", "*.txt", "*.jinja", "*.model", "tokenizer*"]
+    return Path(snapshot_download(name, allow_patterns=patterns))
+
+
 def build_model(path: str, dims: ParallelDims, cfg: TrainerConfig, device: torch.device) -> nn.Module:
     from transformers import AutoModelForCausalLM
 
-    config = hf_config(path)
+    folder = local_folder(path)
+    config = hf_config(str(folder))
     dims.check_model(config)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     parallelize(model, dims, cfg)
     model.to_empty(device=device)
     init_non_persistent_buffers(model)
-    with SafetensorsReader(Path(path)) as reader:
+    with SafetensorsReader(folder) as reader:
         load_shards(model, reader)
     return model
 
