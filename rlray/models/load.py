@@ -25,8 +25,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from rlray.config import TrainerConfig
-from rlray.models.hf import init_non_persistent_buffers
 from rlray.parallel.dims import ParallelDims
+from rlray.parallel.hf import init_non_persistent_buffers
 from rlray.parallel.parallelize import parallelize
 
 FUSED = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<param>gate_up_proj|down_proj)$")

@@ -9,7 +9,7 @@ Contract:
   (token, expert) pairs to their owners with all-to-all and combine the results with the
   routing weights, in forward and backward (gloo and NCCL). The router (GLM's
   `e_score_correction_bias`, group-limited top-k) is not touched: it runs on every rank over
-  that rank's own tokens. The pieces are transformers' own (rlray.models.hf).
+  that rank's own tokens. The pieces are transformers' own (rlray.parallel.hf).
 - `ExpertLoad(model)` counts the tokens routed to each expert of each layer during the
   model's forward passes (not during activation-checkpoint recomputation);
   `summary(group)` sums the counts over `group` and returns max/mean per layer.
@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from rlray.models.hf import EXPERT_PARAMS, shard_and_dispatch_experts
+from rlray.parallel.hf import EXPERT_PARAMS, shard_and_dispatch_experts
 
 
 def moe_experts(model: nn.Module) -> list[tuple[str, nn.Module]]:

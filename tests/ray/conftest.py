@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -48,3 +48,22 @@ def ray_cluster() -> Iterator[None]:
     cluster.connect(ClusterConfig())
     yield
     ray.shutdown()
+
+
+class Crash(RuntimeError):
+    """Raised by `crash_at_rl_step`, standing in for a driver killed mid-run."""
+
+
+def crash_at_rl_step(monkeypatch: pytest.MonkeyPatch, step: int) -> Callable[[], None]:
+    """Make the run raise `Crash` when it logs RL step `step`; returns the undo."""
+    from rlray.metrics import Metrics
+
+    real_log = Metrics.log
+
+    def log(self: Metrics, stage: str, at: int, values: dict, total: int | None = None) -> None:
+        if stage == "rl" and at == step:
+            raise Crash("killed")
+        real_log(self, stage, at, values, total)
+
+    monkeypatch.setattr(Metrics, "log", log)
+    return lambda: monkeypatch.setattr(Metrics, "log", real_log)

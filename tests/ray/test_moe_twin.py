@@ -11,12 +11,7 @@ from pathlib import Path
 import pytest
 
 from rlray.controller import run
-from rlray.metrics import Metrics
-from tests.ray.conftest import tiny_config
-
-
-class Crash(RuntimeError):
-    pass
+from tests.ray.conftest import Crash, crash_at_rl_step, tiny_config
 
 
 def rl_records(run_dir: str) -> list[dict]:
@@ -29,17 +24,10 @@ def test_glm_moe_twin_trains_with_ep_checkpoints_and_resumes(ray_cluster, tmp_pa
                     "async.max_off_policy_steps=0", "eval.num_examples=8")
     assert (c.model.name, c.model.arch, c.trainer.ep, c.trainer.num_ranks) == ("tiny", "glm4_moe", 2, 2)
     assert c.trainer.activation_checkpointing and c.stages == ["rl"] and c.env.mix[0].id == "reverse_text"
-    real_log = Metrics.log
-
-    def crash_at_rl_step_4(self, stage, step, values, total=None) -> None:
-        if stage == "rl" and step == 4:
-            raise Crash("killed")
-        real_log(self, stage, step, values, total)
-
-    monkeypatch.setattr(Metrics, "log", crash_at_rl_step_4)
+    undo = crash_at_rl_step(monkeypatch, 4)
     with pytest.raises(Crash):
         run(c)
-    monkeypatch.setattr(Metrics, "log", real_log)
+    undo()
     summary = run(c)
 
     rl = rl_records(c.run.dir)

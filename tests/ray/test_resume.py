@@ -8,12 +8,7 @@ from pathlib import Path
 import pytest
 
 from rlray.controller import run
-from rlray.metrics import Metrics
-from tests.ray.conftest import tiny_config
-
-
-class Crash(RuntimeError):
-    pass
+from tests.ray.conftest import Crash, crash_at_rl_step, tiny_config
 
 
 def stages(run_dir: str) -> list[tuple[str, int]]:
@@ -23,21 +18,14 @@ def stages(run_dir: str) -> list[tuple[str, int]]:
 
 def test_crash_then_resume(ray_cluster, tmp_path, monkeypatch) -> None:
     c = tiny_config(tmp_path, checkpoint={"every": 2, "export_hf": True}, rl={"steps": 5})
-    real_log = Metrics.log
-
-    def crash_at_rl_step_3(self, stage, step, values, total=None) -> None:
-        if stage == "rl" and step == 3:
-            raise Crash("killed")
-        real_log(self, stage, step, values, total)
-
-    monkeypatch.setattr(Metrics, "log", crash_at_rl_step_3)
+    undo = crash_at_rl_step(monkeypatch, 3)
     with pytest.raises(Crash):
         run(c)
     first = stages(c.run.dir)
     sft_steps = [s for s in first if s[0] == "sft"]
     assert [s for s in first if s[0] == "rl"] == [("rl", 0), ("rl", 1), ("rl", 2)]
 
-    monkeypatch.setattr(Metrics, "log", real_log)
+    undo()
     summary = run(c)
     both = stages(c.run.dir)
     assert [s for s in both if s[0] == "sft"] == sft_steps, "SFT ran again after resume"

@@ -1,4 +1,4 @@
-"""Pins every transformers and vLLM internal that rlray's adapters use (rlray.models.hf and the
+"""Pins every transformers and vLLM internal that rlray's adapters use (rlray.parallel.hf and the
 CPU MoE repack in rlray.weights), so an upgrade that moves one fails here, by name."""
 
 from __future__ import annotations
