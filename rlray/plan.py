@@ -13,7 +13,7 @@ gathered working set (two decoder layers in the compute dtype, with this rank's 
 plus one layer's fp32 gradients before reduce-scatter, plus embedding and head); activations
 for `micro_batch_tokens` T: per layer T x b x (6H + 2 q-width + 2 kv-width + MLP widths), every
 layer without checkpointing, or the layer inputs plus one layer with it; fp32 logits and
-their gradient, T x V x (b + 8); a fixed 4 GB for the CUDA context and NCCL.
+their gradient, T x V x (b + 8); on a GPU a fixed 4 GB for the CUDA context and NCCL.
 Engine, per GPU (tensor parallel TP): weights P x b / TP; the KV cache gets what is left of
 `kv_cache_fraction` of the GPU after weights and a 2 GB activation reserve (or exactly
 `kv_cache_gb`), at 2 x layers x kv_heads x head_dim x b / TP bytes per token.
@@ -59,6 +59,14 @@ class ModelShape:
 
     def dim(self, key: str, default: int = 0) -> int:
         return int(getattr(self.hf, key, None) or default)
+
+
+def human(n: float) -> str:
+    """A parameter count for people: 512k, 1.02M, 106.85B."""
+    for unit, size in (("B", 1e9), ("M", 1e6), ("k", 1e3)):
+        if n >= size:
+            return f"{n / size:.3g}{unit}" if unit != "B" else f"{n / size:.2f}B"
+    return f"{n:.0f}"
 
 
 def model_shape(c: Config) -> ModelShape:
@@ -113,7 +121,7 @@ def trainer_memory(s: ModelShape, c: Config) -> dict[str, float]:
     return {"fp32 weights": 4 * s.params / n, "fp32 gradients": 4 * s.params / n, "AdamW state": 8 * s.params / n,
             "gathered layers": layer * (2 * b + 4) + s.root_params * b,
             "activations": _activations(s, c, c.trainer.activation_checkpointing),
-            "logits": t * vocab * (b + 8), "context": OVERHEAD_GB * GB}
+            "logits": t * vocab * (b + 8), "context": OVERHEAD_GB * GB if c.trainer.gpus_per_rank else 0.0}
 
 
 def engine_memory(s: ModelShape, c: Config) -> dict[str, float]:
@@ -196,15 +204,15 @@ class Plan:
     def summary(self) -> str:
         """One line for the console of a real run (the whole plan goes to plan.txt)."""
         d, e = self.dims, self.engine
-        return (f"plan: {self.shape.name}, {self.shape.params / 1e9:.3g}B parameters; trainer dp_shard={d.dp_shard} "
+        return (f"plan: {self.shape.name}, {human(self.shape.params)} parameters; trainer dp_shard={d.dp_shard} "
                 f"ep={d.ep}, ~{sum(self.trainer.values()) / GB:.1f} GB per rank; {self.c.rollout.num_actors} engine(s) "
                 f"x TP {self.c.rollout.tensor_parallel_size}, {e['weights'] / GB:.2f} GB weights each")
 
     def render(self) -> str:
         c, s, d = self.c, self.shape, self.dims
         t, r = c.trainer, c.rollout
-        lines = [(f"model {s.name} ({s.arch}): {s.params / 1e9:.2f}B parameters, {s.active_params / 1e9:.2f}B active "
-                 f"per token; architecture from {s.source}"),
+        lines = [(f"model {s.name} ({s.arch}): {human(s.params)} parameters, {human(s.active_params)} active "
+                 f"per token (embedding and head included); architecture from {s.source}"),
                  "placement groups",
                  f"  rlray-trainer: {t.num_ranks} bundles x {{CPU: {t.cpus_per_rank:g}, GPU: {t.gpus_per_rank:g}}}",
                  f"  rlray-rollout: {r.num_actors} bundles x {{CPU: {r.cpus_per_actor:g}, GPU: {r.gpus_per_actor:g}}}",
@@ -213,9 +221,10 @@ class Plan:
                  f"  every rank: 1/{d.dp_shard} of each dense parameter"]
         if d.ep_enabled:
             per = s.experts // d.ep
+            shared = (f"FSDP-sharded over the {d.efsdp} ranks r % {d.ep} + {d.ep}*j" if d.efsdp > 1
+                      else "each held whole (efsdp=1)")
             lines.append(f"  rank r: experts [{per}*(r % {d.ep}), {per}*(r % {d.ep}) + {per}) of every MoE layer, "
-                         f"FSDP-sharded with the {d.efsdp} ranks r % {d.ep} + {d.ep}*j; all-to-all within ranks "
-                         f"{d.ep}*(r // {d.ep}) .. +{d.ep - 1}")
+                         f"{shared}; all-to-all within ranks {d.ep}*(r // {d.ep}) .. +{d.ep - 1}")
         lines.append(f"rollout: {r.num_actors} engines x tensor_parallel_size={r.tensor_parallel_size}, "
                      f"{r.dtype}; weight group of 1 + {r.num_actors * r.tensor_parallel_size} workers")
         where = f"GPU of {c.cluster.gpu_memory_gb:g} GB" if self.on_gpu else "CPU rank (host RAM)"
