@@ -7,7 +7,7 @@ Contract:
 - `apply_expert_parallel(model, ep_mesh)` gives each rank of `ep_mesh` E/ep of every layer's
   experts (DTensor `Shard(0)` on `ep_mesh`) and makes each experts module dispatch its
   (token, expert) pairs to their owners with all-to-all and combine the results with the
-  routing weights, in forward and backward (gloo and NCCL). The router (GLM's
+  routing weights, in forward and backward (all-to-all of gloo or NCCL; tested on gloo). The router (GLM's
   `e_score_correction_bias`, group-limited top-k) is not touched: it runs on every rank over
   that rank's own tokens. The pieces are transformers' own (rlray.parallel.hf).
 - `ExpertLoad(model)` counts the tokens routed to each expert of each layer during the

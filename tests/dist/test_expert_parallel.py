@@ -72,11 +72,14 @@ def worker(rank: int, world: int, port: int, out: dict, cases: list) -> None:
         grads = full_grads(t.model)
         counts = torch.stack(t.expert_load.counts)
         dist.all_reduce(counts)
+        positions = torch.tensor(sum(mb.input_ids.size for mb in mbs))  # the router sees padding too
+        dist.all_reduce(positions)
         first = int(mbs[0].input_ids[0, 0])
         firsts = [None] * world
         dist.all_gather_object(firsts, first)
         if rank == 0:
             out[key] = {"loss": float(loss), "grads": grads, "counts": counts.numpy(), "firsts": firsts,
+                        "positions": int(positions),
                         "local_experts": int(t.model.get_submodule("model.layers.1.mlp.experts").num_experts)}
     dist.destroy_process_group()
 
@@ -86,6 +89,8 @@ def check(result: dict, ref: dict, ep: int) -> None:
     assert_grads_close(ref["grads"], result["grads"], rtol=1e-4)
     assert len(set(result["firsts"])) > 1, "data-parallel ranks must train on different sequences"
     assert result["local_experts"] == 4 // ep
+    # every position routed to top-2 experts once: counted in the forward, not again in a recomputation
+    assert result["counts"].sum() == 2 * result["positions"] * len(result["counts"])
 
 
 def test_expert_parallel_matches_one_process(tmp_path) -> None:
