@@ -35,6 +35,7 @@ from rlray.data.tokenizer import encode_prompt
 from rlray.envs import load_env
 from rlray.metrics import Metrics
 from rlray.models.tiny import model_path
+from rlray.plan import needs
 
 
 def _config_dict(c: Config) -> dict[str, Any]:
@@ -63,9 +64,7 @@ class Controller:
     # ---- set-up -------------------------------------------------------------------
     def start(self) -> None:
         cluster.connect(self.c.cluster)
-        t, r = self.c.trainer, self.c.rollout
-        cluster.check_resources(t.num_ranks * t.gpus_per_rank + r.num_actors * r.gpus_per_actor,
-                                t.num_ranks * t.cpus_per_rank + r.num_actors * r.cpus_per_actor)
+        cluster.check_resources(*needs(self.c))
         t0 = time.perf_counter()
         self.h = cluster.spawn(self.c, pad_id=self.tokenizer.pad_token_id)
         ray.get([t.setup.remote() for t in self.h.trainers] + [r.start.remote() for r in self.h.rollouts])

@@ -4,7 +4,7 @@ Contract: `make_plan(config)` reads only the model's architecture (rlray.models.
 meta-device build counts its parameters exactly: no weights, no Ray) and returns a `Plan`:
 `render()` is what `dry_run=true` prints (`summary()` its one-line digest), `problems()` lists what cannot fit, one line each
 naming the part, the shortfall and a fix, and `gpus`/`cpus` are what the run asks of the
-cluster. `check_local(config)` refuses a local run whose bundles need GPUs that torch cannot
+cluster (`needs(config)`). `check_local(config)` refuses a local run whose bundles need GPUs that torch cannot
 see (a local Ray declares exactly those) or more CPUs than `cluster.num_cpus`. The memory figures are estimates (formulas below), stated as such.
 
 Trainer, per rank (N ranks, P parameters, FSDP2 shards everything over the N ranks, experts over
@@ -162,13 +162,11 @@ class Plan:
 
     @property
     def gpus(self) -> float:
-        t, r = self.c.trainer, self.c.rollout
-        return t.num_ranks * t.gpus_per_rank + r.num_actors * r.gpus_per_actor
+        return needs(self.c)[0]
 
     @property
     def cpus(self) -> float:
-        t, r = self.c.trainer, self.c.rollout
-        return t.num_ranks * t.cpus_per_rank + r.num_actors * r.cpus_per_actor
+        return needs(self.c)[1]
 
     def problems(self) -> list[str]:
         c, out = self.c, []
@@ -220,11 +218,12 @@ class Plan:
                  f"trainer mesh: dp_shard={d.dp_shard}, ep={d.ep}, efsdp={d.efsdp}, cp={d.cp}",
                  f"  every rank: 1/{d.dp_shard} of each dense parameter"]
         if d.ep_enabled:
-            per = s.experts // d.ep
-            shared = (f"FSDP-sharded over the {d.efsdp} ranks r % {d.ep} + {d.ep}*j" if d.efsdp > 1
-                      else "each held whole (efsdp=1)")
-            lines.append(f"  rank r: experts [{per}*(r % {d.ep}), {per}*(r % {d.ep}) + {per}) of every MoE layer, "
-                         f"{shared}; all-to-all within ranks {d.ep}*(r // {d.ep}) .. +{d.ep - 1}")
+            how = "FSDP-sharded between them" if d.efsdp > 1 else "each held whole (efsdp=1)"
+            lines.append(f"  experts of every MoE layer ({how}); all-to-all within ranks {d.ep}k .. {d.ep}k+{d.ep - 1}:")
+            for first in range(d.ep):
+                held = d.experts_of(first, s.experts)
+                ranks = ", ".join(str(first + d.ep * j) for j in range(d.efsdp))
+                lines.append(f"    ranks {ranks}: experts {held.start}-{held.stop - 1}")
         lines.append(f"rollout: {r.num_actors} engines x tensor_parallel_size={r.tensor_parallel_size}, "
                      f"{r.dtype}; weight group of 1 + {r.num_actors * r.tensor_parallel_size} workers")
         where = f"GPU of {c.cluster.gpu_memory_gb:g} GB" if self.on_gpu else "CPU rank (host RAM)"
@@ -246,6 +245,13 @@ def make_plan(c: Config) -> Plan:
     return Plan(c, shape, dims, trainer_memory(shape, c), engine_memory(shape, c), other)
 
 
+def needs(c: Config) -> tuple[float, float]:
+    """(GPUs, CPUs) that the run's bundles ask of the cluster."""
+    t, r = c.trainer, c.rollout
+    return (t.num_ranks * t.gpus_per_rank + r.num_actors * r.gpus_per_actor,
+            t.num_ranks * t.cpus_per_rank + r.num_actors * r.cpus_per_actor)
+
+
 def is_local(c: Config) -> bool:
     return c.cluster.address is None and not os.environ.get("RAY_ADDRESS")
 
@@ -255,7 +261,7 @@ def check_local(c: Config, command: str = "python -m rlray.launch ...") -> None:
     if not is_local(c):
         return
     t, r = c.trainer, c.rollout
-    need = t.num_ranks * t.gpus_per_rank + r.num_actors * r.gpus_per_actor
+    need, cpus = needs(c)
     seen = 0
     if need or c.cluster.num_gpus:
         import torch
@@ -269,7 +275,6 @@ def check_local(c: Config, command: str = "python -m rlray.launch ...") -> None:
                           f"rollout {r.num_actors} x {r.gpus_per_actor:g}) but torch sees {seen} on this machine; "
                           f"submit it to a Ray cluster (ray job submit --address http://HEAD:8265 --working-dir . -- "
                           f"{command}), or run its CPU twin here ({command} +twin=cpu)")
-    cpus = t.num_ranks * t.cpus_per_rank + r.num_actors * r.cpus_per_actor
     if cpus > c.cluster.num_cpus:
         raise ConfigError(f"trainer ({t.num_ranks}x{t.cpus_per_rank:g}) + rollout ({r.num_actors}x"
                           f"{r.cpus_per_actor:g}) need {cpus:g} CPUs but cluster.num_cpus={c.cluster.num_cpus}; "

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -13,11 +12,7 @@ import torch
 import torch.multiprocessing as mp
 from torch import nn
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from rlray.bench.common import free_port
 
 
 def _run(rank: int, worker: Callable[..., None], *args: Any) -> None:

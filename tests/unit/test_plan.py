@@ -15,7 +15,7 @@ def test_dry_run_of_the_full_glm_recipe_prints_the_plan_and_starts_nothing() -> 
     out = result.stdout
     for needle in ("zai-org/GLM-4.5-Air (Glm4MoeForCausalLM): 106.85B parameters", "rlray-trainer: 24 bundles",
                    "rlray-rollout: 4 bundles x {CPU: 16, GPU: 4}", "dp_shard=24, ep=8, efsdp=3",
-                   "experts [16*(r % 8)", "weight group of 1 + 16 workers", "memory per trainer GPU of 141 GB",
+                   "ranks 0, 8, 16: experts 0-15", "ranks 7, 15, 23: experts 112-127", "weight group of 1 + 16 workers", "memory per trainer GPU of 141 GB",
                    "plan fits"):
         assert needle in out, (needle, out)
     assert "controller reached" not in result.stderr
