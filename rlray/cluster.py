@@ -1,7 +1,8 @@
 """The only module that knows Ray resources: connect, placement groups, spawn actors.
 
-Contract: `connect(cfg)` joins `cluster.address` / `RAY_ADDRESS` or starts a local Ray
-(dashboard on loopback, logical CPUs declared so fractional bundles fit).
+Contract: `connect(cfg, verbose)` joins `cluster.address` / `RAY_ADDRESS` or starts a local Ray
+(dashboard on loopback, logical CPUs declared so fractional bundles fit; vLLM's INFO logs only
+when `verbose`).
 `check_resources(gpus, cpus)` compares a plan with the connected cluster.
 `spawn(config)` creates one placement group for the trainer ranks and one for the
 rollout actors (bundle sizes from the config), then the named actors `trainer-i`,
@@ -30,11 +31,15 @@ from rlray.trainer import TrainerActor
 REPO = str(Path(__file__).resolve().parent.parent)
 
 
-def connect(cfg: ClusterConfig) -> None:
+def connect(cfg: ClusterConfig, verbose: bool = False) -> None:
+    """Join or start Ray; unless `verbose`, the actors' vLLM engines log warnings and errors only."""
     if ray.is_initialized():
         return
-    env = {"env_vars": {"PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])),
-                        "TOKENIZERS_PARALLELISM": "false"}}
+    env_vars = {"PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])),
+                "TOKENIZERS_PARALLELISM": "false"}
+    if not verbose:  # vLLM logs four INFO lines per weight sync (pause, reload, cache reset, resume)
+        env_vars["VLLM_LOGGING_LEVEL"] = os.environ.get("VLLM_LOGGING_LEVEL", "WARNING")
+    env = {"env_vars": env_vars}
     address = cfg.address or os.environ.get("RAY_ADDRESS")
     if address:
         ray.init(address=address, runtime_env=env, log_to_driver=True)

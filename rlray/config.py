@@ -212,6 +212,7 @@ class ClusterConfig:
 class LoggingConfig:
     project: str = "rlray"
     wandb: str = "auto"  # auto: online with WANDB_API_KEY, else offline; or online/offline/disabled
+    verbose: bool = False  # vLLM's INFO lines and wandb's banners on the console (always in Ray's session logs)
 
 
 @dataclass

@@ -63,7 +63,7 @@ class Controller:
 
     # ---- set-up -------------------------------------------------------------------
     def start(self) -> None:
-        cluster.connect(self.c.cluster)
+        cluster.connect(self.c.cluster, self.c.logging.verbose)
         cluster.check_resources(*needs(self.c))
         t0 = time.perf_counter()
         self.h = cluster.spawn(self.c, pad_id=self.tokenizer.pad_token_id)

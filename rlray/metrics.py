@@ -78,7 +78,8 @@ class Metrics:
             import wandb
 
             self.wandb = wandb.init(project=cfg.project, dir=str(run_dir), config=config, mode=mode,
-                                    name=run_dir.name)
+                                    name=run_dir.name, settings=wandb.Settings(silent=not cfg.verbose))
+            print(f"wandb ({mode}): {self.wandb.dir}", flush=True)
 
     def log(self, stage: str, step: int, values: dict[str, Any], total: int | None = None) -> None:
         record = {"stage": stage, "step": step, "time": round(time.time() - self.t0, 3), **values}

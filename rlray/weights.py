@@ -20,6 +20,7 @@ Contract:
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass
@@ -311,6 +312,8 @@ class WorkerExtension:
 
         `plan` is `plan_to_wire(plan)`.
         """
+        # vLLM warns "RotaryEmbedding: Failed to load weights" at every reload: rotary has no weights to load.
+        logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(logging.ERROR)
         my_rank = rank + _worker_rank()
         group = open_weight_group(host, port, my_rank, world_size, backend, timeout_s)
         self._rlray_receiver = WeightReceiver(plan_from_wire(plan), group)
