@@ -5,13 +5,17 @@ Contract:
   With G groups per step and bound k = max_off_policy_steps, a rollout at policy version v
   may have started at most G*(v+k+1) groups in all, plus one for every group that
   was dropped; so rollouts never run further ahead than the trainer can use.
-- `put(groups, actor)` computes per-group advantages, drops zero-advantage groups when
-  `filter_zero_advantage` is on (counted, ticket returned) and queues the rest.
+- `put(groups, actor)` computes per-group advantages over each group's valid rollouts,
+  drops (counts, returns the ticket of) groups with fewer than 2 valid rollouts and
+  zero-advantage groups when `filter_zero_advantage` is on, and queues the rest.
   `cancel(n, actor)` returns tickets of groups that were not produced; `forget(actor)`
   returns every ticket a dead actor still held.
 - `get_batch(step)` waits until G fresh groups are queued, drops (and counts) groups
   older than `step - k`, and returns one list of packed micro-batches per trainer rank
   (with one rank, that rank's list itself: what Ray's `num_returns=1` hands the trainer).
+  With `algo.mini_batches` = M, the batch's sequences are cut into M consecutive equal
+  shares, each packed on its own and labelled `MicroBatch.mini_batch` (one optimizer step each).
+- `queued(step)` is how many queued groups `get_batch(step)` could use now (of G).
 - `step_stats(step)` returns the rewards, lags and drop counts of that batch, and the
   rollout errors so far, in all and by kind (`errors/<Kind>`).
 - `state()` / `load_state()` round-trip the counters for resume.
@@ -26,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from rlray.algo.advantages import compute_advantages, trains_on
+from rlray.algo.advantages import compute_advantages, trains_on, valid
 from rlray.config import AlgoConfig
 from rlray.data.packing import Sample, pack
 from rlray.envs.instrument import error_kind
@@ -50,7 +54,8 @@ class BufferActor:
         self.issued = 0
         self.released = 0
         self.held: dict[int, int] = {}  # tickets granted to each rollout actor and not yet put or cancelled
-        self.counts = {"stale_dropped": 0, "zero_adv_dropped": 0, "groups_in": 0, "rollout_errors": 0}
+        self.counts = {"stale_dropped": 0, "zero_adv_dropped": 0, "invalid_groups_dropped": 0, "groups_in": 0,
+                       "rollout_errors": 0}
         self._stats: dict[int, dict[str, Any]] = {}
         self._ready = asyncio.Condition()
 
@@ -85,8 +90,12 @@ class BufferActor:
                         self.counts["rollout_errors"] += 1
                         kind = f"errors/{error_kind(r.error)}"
                         self.counts[kind] = self.counts.get(kind, 0) + 1
+                if valid(g).sum() < 2:  # no baseline to compare with
+                    self.counts["invalid_groups_dropped"] += 1
+                    self.released += 1
+                    continue
                 g.advantages = compute_advantages(g, self.algo)  # with DAPO's overlong penalty if set
-                if self.algo.filter_zero_advantage and np.ptp(g.rewards) == 0:  # DAPO: on raw rewards
+                if self.algo.filter_zero_advantage and np.ptp(g.rewards[valid(g)]) == 0:  # DAPO: on raw rewards
                     self.counts["zero_adv_dropped"] += 1
                     self.released += 1
                     continue
@@ -109,8 +118,22 @@ class BufferActor:
                 await self._ready.wait()
             groups = [self.queue.popleft() for _ in range(self.G)]
         self._stats[step] = self._batch_stats(step, groups)
-        per_rank = pack(self._samples(groups), self.num_ranks, self.micro_batch_tokens, self.pad_id)
+        per_rank = self._pack(self._samples(groups))
         return per_rank if self.num_ranks > 1 else per_rank[0]
+
+    def _pack(self, samples: list[Sample]) -> list[list[MicroBatch]]:
+        """Each of `algo.mini_batches` equal, consecutive shares of the samples packed on its own
+        (its own global normalisers), labelled with its index; per rank, in order."""
+        m = self.algo.mini_batches
+        size = len(samples) // m
+        per_rank: list[list[MicroBatch]] = [[] for _ in range(self.num_ranks)]
+        for i in range(m):
+            share = samples[i * size:(i + 1) * size] if i < m - 1 else samples[i * size:]
+            for rank, mbs in enumerate(pack(share, self.num_ranks, self.micro_batch_tokens, self.pad_id)):
+                for mb in mbs:
+                    mb.mini_batch = i
+                per_rank[rank].extend(mbs)
+        return per_rank
 
     def _samples(self, groups: list[Group]) -> list[Sample]:
         return [
@@ -136,6 +159,9 @@ class BufferActor:
             **self.counts,
             "queued": len(self.queue),
         }
+
+    async def queued(self, step: int) -> int:
+        return sum(step - g.version <= self.k for g in self.queue)
 
     async def step_stats(self, step: int) -> dict[str, Any]:
         return self._stats.pop(step, {})

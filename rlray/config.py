@@ -55,6 +55,7 @@ class TrainerConfig:
     param_dtype: str = "float32"  # compute dtype of forward/backward; master weights and reductions stay fp32
     ep: int = 1  # expert parallelism: ranks that split each MoE layer's experts (divides num_ranks)
     activation_checkpointing: bool = False  # recompute each decoder layer's activations in backward
+    max_nonfinite_steps: int = 3  # NaN/inf loss or gradient: the step is skipped; this many in a row stop the run
     seed: int = 0
 
 
@@ -74,20 +75,47 @@ class RolloutConfig:
     tensor_parallel_size: int = 1  # GPUs (tensor-parallel workers) per engine; = gpus_per_actor on GPUs
     max_concurrent_groups: int = 64
     max_restarts: int = 3  # rollout actors replaced after a crash during RL, in all; 0: a crash ends the run
+    max_failed_groups: int = 3  # an engine failing this many groups in a row is replaced like a dead one
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+# The paper preset of each loss: the value of every PRESET_KEYS key that `algo.loss=NAME` sets
+# unless the config file, a recipe or the command line sets it (README "RL objectives").
+# Scale-dependent values stay out (DAPO's overlong buffer, GRPO's KL beta = 0.04 to a reference).
+LOSS_PRESETS: dict[str, dict[str, Any]] = {
+    "grpo": {"aggregation": "sequence", "std_normalize": True, "eps_low": 0.2, "eps_high": 0.2},
+    "dapo": {"aggregation": "token", "std_normalize": True, "eps_low": 0.2, "eps_high": 0.28,
+             "filter_zero_advantage": True},
+    "dr_grpo": {"aggregation": "constant", "std_normalize": False, "eps_low": 0.2, "eps_high": 0.2},
+    "gspo": {"aggregation": "sequence", "std_normalize": True, "eps_low": 3e-4, "eps_high": 4e-4},
+    "cispo": {"aggregation": "token", "std_normalize": True, "eps_low": 1.0, "eps_high": 0.28},
+    "dppo_tv": {"aggregation": "token", "std_normalize": True, "eps_low": 0.2, "eps_high": 0.2,
+                "mismatch_kl_coef": 1e-3, "ratio_cap": 10.0},
+}
+PRESET_DEFAULTS: dict[str, Any] = {"filter_zero_advantage": False, "mismatch_kl_coef": 0.0, "ratio_cap": 0.0}
+PRESET_KEYS = ("aggregation", "std_normalize", "eps_low", "eps_high", "filter_zero_advantage",
+               "mismatch_kl_coef", "ratio_cap")
 
 
 @dataclass
 class AlgoConfig:
+    """The RL objective. Keys left None take `algo.loss`'s paper preset (LOSS_PRESETS) in __post_init__;
+    `from_preset` lists them, for the start-up line and the tests."""
+
     loss: str = "grpo"
-    std_normalize: bool = True
+    # None: the loss's paper preset
+    aggregation: str | None = None  # token | sequence | constant (Dr.GRPO's sum / (G * L_max))
+    std_normalize: bool | None = None
+    eps_low: float | None = None
+    eps_high: float | None = None
+    filter_zero_advantage: bool | None = None  # DAPO dynamic sampling: drop groups whose rewards are all equal
+    mismatch_kl_coef: float | None = None  # coefficient of (log pi_train/pi_infer)^2 (Kimi K2.5; dppo_tv)
+    ratio_cap: float | None = None  # dppo_tv: kept tokens' ratio is capped here (0: no cap)
+    # the rest is read by rlray.algo (see the README's "RL objectives" table); check_algo() validates it
     std_eps: float = 1e-4
     ratio_correction: str = "clip"  # clip: PPO-clipped ratio; mask: drop tokens outside the band
-    eps_low: float = 0.2
-    eps_high: float = 0.2
-    filter_zero_advantage: bool = False  # DAPO dynamic sampling: drop groups whose rewards are all equal
-    # the rest is read by rlray.algo (see the README's "RL objectives" table); check_algo() validates it
-    aggregation: str = "auto"  # auto (the loss's paper) | token | sequence | constant (Dr.GRPO)
+    mini_batches: int = 1  # optimizer steps per batch, each on 1/mini_batches of its sequences
+    epochs: int = 1  # passes over the batch's mini-batches
     baseline: str = "mean"  # mean: group mean; rloo: leave-one-out mean
     max_tokens: int = II("rollout.max_tokens")  # L_max of Dr.GRPO's normaliser and DAPO's overlong penalty
     overlong_filter: bool = False  # DAPO: completions cut at max_tokens (finish_reason "length") get no loss
@@ -98,7 +126,21 @@ class AlgoConfig:
     correction_low: float = 0.0  # mis: mask weights below this
     correction_high: float = 2.0  # tis: truncate at this; mis: mask weights above this
     kl_coef: float = 0.0  # k3 KL to a frozen reference model (the policy at the first RL step); 0: no reference
-    mismatch_kl_coef: float = 0.0  # coefficient of (log pi_train/pi_infer)^2 (Kimi K2.5; dppo_tv)
+
+    def __post_init__(self) -> None:
+        if self.loss not in LOSS_PRESETS:
+            raise ConfigError(f"algo.loss='{self.loss}' is unknown; choose one of {sorted(LOSS_PRESETS)}")
+        preset = {**PRESET_DEFAULTS, **LOSS_PRESETS[self.loss]}
+        self.from_preset = [k for k in PRESET_KEYS if getattr(self, k) is None]
+        for key in self.from_preset:
+            setattr(self, key, preset[key])
+
+    def preset_line(self) -> str:
+        """One line: the loss, the values its preset set, and those set explicitly."""
+        shown = ", ".join(f"{k}={getattr(self, k)}" for k in self.from_preset)
+        own = ", ".join(f"{k}={getattr(self, k)}" for k in PRESET_KEYS if k not in self.from_preset)
+        return (f"algo.loss={self.loss}: paper preset {shown or '(every key set explicitly)'}"
+                + (f"; set explicitly: {own}" if own else ""))
 
 
 @dataclass
@@ -122,6 +164,7 @@ class RLConfig:
     batch_size: int = 128  # completions per step: prompts x group_size
     sync_every: int = 1
     eval_every: int = 50
+    batch_timeout_s: float = 600.0  # a step waiting this long for its batch fails (a replacement restarts it)
 
 
 @dataclass
@@ -249,7 +292,7 @@ def _key(f: dataclasses.Field) -> str:
 
 def schema_node() -> DictConfig:
     """The root schema: a struct DictConfig whose sections are typed dataclass nodes."""
-    sections = {_key(f): OmegaConf.structured(f.default_factory()) for f in dataclasses.fields(Config)
+    sections = {_key(f): OmegaConf.structured(f.default_factory) for f in dataclasses.fields(Config)
                 if f.default_factory is not dataclasses.MISSING and dataclasses.is_dataclass(f.default_factory)}
     node = OmegaConf.create(sections)
     node.stages = ["sft", "rl"]
@@ -311,6 +354,8 @@ def to_config(cfg: DictConfig) -> Config:
         merged = OmegaConf.merge(schema_node(), resolved)
         values = {f.name: _plain(merged[_key(f)]) for f in dataclasses.fields(Config)}
         values["stages"] = list(values["stages"])
+    except ConfigError:
+        raise
     except Exception as e:  # omegaconf's ValidationError names the key and the value
         raise ConfigError(f"invalid config: {e}".splitlines()[0]) from e
     config = Config(**values)
@@ -329,6 +374,8 @@ def validate(c: Config) -> None:
     bad = [s for s in c.stages if s not in stages]
     _require(not bad, f"stages: unknown stage {bad}; choose from {sorted(stages)}")
     _require(c.rollout.group_size >= 1, "rollout.group_size must be >= 1")
+    _require(c.rollout.group_size >= 2 or "rl" not in c.stages,
+             f"rollout.group_size={c.rollout.group_size}: RL's group baseline needs at least 2 rollouts per prompt")
     _require(
         c.rl.batch_size % c.rollout.group_size == 0,
         f"rl.batch_size={c.rl.batch_size} is not divisible by rollout.group_size={c.rollout.group_size}; "
@@ -341,6 +388,9 @@ def validate(c: Config) -> None:
     _require(c.trainer.num_ranks >= 1, "trainer.num_ranks must be >= 1")
     _require(c.rollout.num_actors >= 1, "rollout.num_actors must be >= 1")
     _require(c.rollout.max_restarts >= 0, f"rollout.max_restarts={c.rollout.max_restarts} must be >= 0")
+    _require(c.rollout.max_failed_groups >= 1,
+             f"rollout.max_failed_groups={c.rollout.max_failed_groups} must be >= 1")
+    _require(c.rl.batch_timeout_s > 0, f"rl.batch_timeout_s={c.rl.batch_timeout_s} must be > 0")
     _require(c.async_.max_off_policy_steps >= 0, "async.max_off_policy_steps must be >= 0")
     _require(c.rl.sync_every >= 1, "rl.sync_every must be >= 1")
     _require(
@@ -349,6 +399,9 @@ def validate(c: Config) -> None:
         "(rollouts between syncs are that many versions behind)",
     )
     _require(c.rollout.temperature >= 0, "rollout.temperature must be >= 0")
+    _require(c.algo.mini_batches >= 1 and c.rl.batch_size % c.algo.mini_batches == 0,
+             f"algo.mini_batches={c.algo.mini_batches} must divide rl.batch_size={c.rl.batch_size} "
+             "(each optimizer step trains on an equal share of the batch's sequences)")
     _require(0 < c.rollout.kv_cache_fraction < 1, "rollout.kv_cache_fraction must be in (0, 1)")
     _require(
         c.algo.ratio_correction in ("clip", "mask"),

@@ -76,6 +76,7 @@ def main(cfg: DictConfig) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "plan.txt").write_text(plan.render() + "\n")
     print(f"{plan.summary()} (all of it: {run_dir / 'plan.txt'})", flush=True)
+    print(config.algo.preset_line(), flush=True)
     from rlray.controller import run
 
     run(config)

@@ -6,10 +6,13 @@ Contract:
   `trainer.ep` / `trainer.activation_checkpointing` of `ParallelDims`, each rank reading
   only its shards); the KL reference model, when `algo.kl_coef > 0`, is built the same way.
 - `set_stage(lr, warmup_steps)` starts a fresh AdamW (SFT and RL each get their own).
-- `train_step(micro_batches)` runs forward/backward over this rank's micro-batches and
-  takes exactly one optimizer step; the RL loss is chosen by `algo.loss` and every
-  rank divides its token-sum by the *global* number of loss tokens.
-  `sft_step(micro_batches)` does the same with cross-entropy on the masked tokens.
+- `train_step(micro_batches)` runs forward/backward over this rank's micro-batches, one
+  optimizer step per mini-batch (`algo.mini_batches`, `MicroBatch.mini_batch`) and pass
+  (`algo.epochs`); the RL loss is chosen by `algo.loss` and every rank divides its sums by
+  the mini-batch's *global* normaliser. `sft_step(micro_batches)` takes one step with
+  cross-entropy on the masked tokens. A step whose loss or gradient is NaN/inf is not
+  applied (counted in `skipped_steps`); `trainer.max_nonfinite_steps` in a row raise
+  `NonFiniteError`.
 - `forward_backward(micro_batches, rl)` accumulates this rank's gradients and returns the
   local sums (the equivalence tests read the gradients after it).
 - `init_weight_group(...)` / `broadcast_weights()`: every rank gathers one full parameter at
@@ -24,6 +27,7 @@ Contract:
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 from collections.abc import Iterator
@@ -44,6 +48,10 @@ from rlray.types import MicroBatch
 from rlray.weights import Bucket, WeightGroup, WeightSender, open_weight_group, plan_buckets
 
 
+class NonFiniteError(RuntimeError):
+    """`trainer.max_nonfinite_steps` optimizer steps in a row had a NaN/inf loss or gradient."""
+
+
 class TrainerActor:
     def __init__(self, rank: int, world_size: int, master: str, model: ModelConfig,
                  trainer: TrainerConfig, algo: AlgoConfig, backend: str, temperature: float,
@@ -55,6 +63,7 @@ class TrainerActor:
         self.weight_group: WeightGroup | None = None
         self.wire_dtype = DTYPES[wire_dtype] if wire_dtype else None  # the engine's dtype; None: the params' own
         self.sender: WeightSender | None = None
+        self.skipped_steps = self.nonfinite_in_a_row = 0  # optimizer steps not applied: NaN/inf loss or gradient
 
     def setup(self) -> dict[str, Any]:
         if self.device.type == "cuda":
@@ -97,12 +106,15 @@ class TrainerActor:
         logp = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
         return torch.nn.functional.pad(logp, (1, 0))
 
-    def forward_backward(self, micro_batches: list[MicroBatch], rl: bool) -> dict[str, float]:
-        """Accumulate this rank's gradients over its micro-batches; returns the local sums."""
+    def forward_backward(self, micro_batches: list[MicroBatch], rl: bool,
+                         prox: list[torch.Tensor] | None = None) -> dict[str, float]:
+        """Accumulate this rank's gradients over its micro-batches; returns the local sums.
+
+        `prox`: per micro-batch, the proximal policy's logprobs (see `train_step`)."""
         self.model.train()
         self.expert_load.reset(self.device)
         sums: dict[str, float] = {"loss": 0.0, "mismatch_kl": 0.0, "ratio_outside": 0.0, "tokens": 0.0}
-        for mb in micro_batches:
+        for i, mb in enumerate(micro_batches):
             t = self._tensors(mb)
             norm = loss_normalizer(self.algo, mb) if rl else mb.num_loss_tokens_global
             denom = norm / self.world_size  # FSDP averages gradients over ranks
@@ -111,7 +123,7 @@ class TrainerActor:
             logp = self._token_logprobs(t["input_ids"], t["attention_mask"], self.temperature if rl else 1.0)
             if rl:
                 loss_sum, stats = self.loss_fn(logp, t["inference_logprobs"], t["advantages"], t["loss_mask"],
-                                               self.algo, logp_ref=ref)
+                                               self.algo, logp_ref=ref, logp_prox=prox[i] if prox else None)
                 for k, v in stats.items():
                     sums[k] = sums.get(k, 0.0) + float(v)
             else:
@@ -122,17 +134,42 @@ class TrainerActor:
         sums["_norm"] = norm
         return sums
 
-    def _step(self, micro_batches: list[MicroBatch], rl: bool) -> dict[str, float]:
+    def _step(self, micro_batches: list[MicroBatch], rl: bool,
+              prox: list[torch.Tensor] | None = None) -> dict[str, float]:
+        """One optimizer step; skipped (and counted) when the loss or the gradient is not finite."""
         t0 = time.perf_counter()
-        sums = self.forward_backward(micro_batches, rl)
+        sums = self.forward_backward(micro_batches, rl, prox)
         norm = sums.pop("_norm")
         grad_norm = clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm)
-        self.optimizer.step()
-        self.scheduler.step()
+        out = self._reduce(sums, micro_batches[0].num_loss_tokens_global, grad_norm, norm)  # every rank alike
+        if math.isfinite(out["loss"]) and math.isfinite(out["grad_norm"]):
+            self.optimizer.step()
+            self.scheduler.step()
+            self.nonfinite_in_a_row = 0
+        else:
+            self.skipped_steps += 1
+            self.nonfinite_in_a_row += 1
+            if self.nonfinite_in_a_row >= self.cfg.max_nonfinite_steps:
+                raise NonFiniteError(
+                    f"{self.nonfinite_in_a_row} optimizer steps in a row had a non-finite loss or gradient "
+                    f"(loss {out['loss']}, grad norm {out['grad_norm']}); each was skipped, none applied, and "
+                    f"trainer.max_nonfinite_steps={self.cfg.max_nonfinite_steps} stops the run. Lower trainer.lr "
+                    "or resume from the last checkpoint.")
         self.optimizer.zero_grad(set_to_none=True)
-        n_loss = micro_batches[0].num_loss_tokens_global
-        out = self._reduce(sums, n_loss, grad_norm, time.perf_counter() - t0, norm)
+        out["skipped_steps"] = float(self.skipped_steps)
+        out["train_seconds"] = time.perf_counter() - t0
         return {**out, **self.expert_load.summary()}
+
+    @torch.no_grad()
+    def _proximal(self, micro_batches: list[MicroBatch]) -> list[torch.Tensor]:
+        """The logprobs of every micro-batch under the policy at the start of the batch."""
+        self.model.eval()
+        out = []
+        for mb in micro_batches:
+            t = self._tensors(mb)
+            out.append(self._token_logprobs(t["input_ids"], t["attention_mask"], self.temperature))
+        self.model.reshard()
+        return out
 
     @torch.no_grad()
     def _reference_logprobs(self, t: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -151,7 +188,7 @@ class TrainerActor:
         return torch.nn.functional.pad(logp, (1, 0))
 
     def _reduce(self, sums: dict[str, float], n_loss: float, grad_norm: torch.Tensor,
-                seconds: float, loss_norm: float | None = None) -> dict[str, float]:
+                loss_norm: float | None = None) -> dict[str, float]:
         """Sums over every rank; the loss over its normaliser, every other stat per loss token."""
         keys = sorted(sums)
         t = torch.tensor([sums[k] for k in keys], dtype=torch.float64, device=self.device)
@@ -161,12 +198,30 @@ class TrainerActor:
             if k != "tokens":
                 out[k] /= (loss_norm or n_loss) if k == "loss" else n_loss
         out["grad_norm"] = float(grad_norm)
-        out["lr"] = self.scheduler.get_last_lr()[0]
-        out["train_seconds"] = seconds
+        out["lr"] = self.scheduler.get_last_lr()[0]  # the rate this step applies
         return out
 
     def train_step(self, micro_batches: list[MicroBatch]) -> dict[str, float]:
-        return self._step(micro_batches, rl=True)
+        """`algo.epochs` passes over the batch's mini-batches (`MicroBatch.mini_batch`), one
+        optimizer step each. With an off-policy correction and more than one step, the
+        trust-region ratio is against the policy at the start of the batch (recomputed here,
+        one forward); without one it is against mu, the engine's policy, throughout.
+        Returns the mean of every step's stats, `optimizer_steps`, and the first step's
+        `ratio_outside` as `ratio_outside_first` (0 on-policy)."""
+        minis = sorted({mb.mini_batch for mb in micro_batches})
+        prox = None
+        if self.algo.correction != "none" and len(minis) * self.algo.epochs > 1:
+            prox = self._proximal(micro_batches)
+        steps = []
+        for _ in range(self.algo.epochs):
+            for m in minis:
+                idx = [i for i, mb in enumerate(micro_batches) if mb.mini_batch == m]
+                steps.append(self._step([micro_batches[i] for i in idx], rl=True,
+                                        prox=[prox[i] for i in idx] if prox else None))
+        out = {k: float(np.mean([s[k] for s in steps])) for k in steps[0]}
+        out.update(optimizer_steps=float(len(steps)), ratio_outside_first=steps[0]["ratio_outside"],
+                   skipped_steps=steps[-1]["skipped_steps"], train_seconds=sum(s["train_seconds"] for s in steps))
+        return out
 
     def sft_step(self, micro_batches: list[MicroBatch]) -> dict[str, float]:
         return self._step(micro_batches, rl=False)

@@ -12,7 +12,9 @@ Contract:
       0                                 if L <= L_max - L_cache
       factor * (L_max - L_cache - L) / L_cache   if L_max - L_cache < L <= L_max
       -factor                           if L > L_max
-- `compute_advantages(group, cfg)`: the above, as configured by `AlgoConfig`.
+- `compute_advantages(group, cfg)`: the above, as configured by `AlgoConfig`, over the
+  group's valid rollouts only (`valid`: no error); a failed rollout's reward 0 never
+  enters the mean or std, and its advantage is 0.
 - `trains_on(rollout, cfg)`: 0.0 for a truncated completion (finish_reason "length")
   when `overlong_filter` is on (DAPO's overlong filtering masks its loss), else 1.0.
 A completion's length is its number of model tokens (loss-mask ones).
@@ -65,8 +67,18 @@ def shaped_rewards(group: Group, cfg: AlgoConfig) -> np.ndarray:
     return rewards
 
 
+def valid(group: Group) -> np.ndarray:
+    """Which rollouts completed (no env, reward or token error): only they enter the baseline."""
+    return np.array([r.error is None for r in group.rollouts], dtype=bool)
+
+
 def compute_advantages(group: Group, cfg: AlgoConfig) -> np.ndarray:
-    return group_advantages(shaped_rewards(group, cfg), cfg.std_normalize, cfg.std_eps, cfg.baseline)
+    """Advantages of the group's valid rollouts against their own baseline; failed rollouts get 0."""
+    ok = valid(group)
+    adv = np.zeros(len(ok), np.float32)
+    if ok.any():
+        adv[ok] = group_advantages(shaped_rewards(group, cfg)[ok], cfg.std_normalize, cfg.std_eps, cfg.baseline)
+    return adv
 
 
 def trains_on(r: Rollout, cfg: AlgoConfig) -> float:

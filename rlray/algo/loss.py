@@ -11,14 +11,16 @@ of loss tokens).
 
 Each loss builds a per-token loss l[b, t] and shares the rest of the pipeline:
 - ratio: r = pi_theta / mu, mu the inference engine's probability of the sampled
-  token (one optimizer step per batch, so mu is the behaviour and the old policy).
+  token (the behaviour policy, also the old policy of every mini-batch's step).
   With an off-policy correction (`algo.correction` tis/mis, see `correction.py`)
-  r = pi_theta / sg(pi_theta) instead (value 1) and the correction weight carries
-  pi_theta / mu.
+  r = pi_theta / pi_prox instead, pi_prox the trainer's policy at the start of the
+  batch (`logp_prox`; the trainer recomputes it when a batch takes several optimizer
+  steps, `algo.mini_batches` x `algo.epochs`; else it is sg(pi_theta), value 1), and the
+  correction weight carries pi_prox / mu (decoupled PPO, Hilton et al. 2021).
 - extra terms: `kl_coef * k3(pi_theta || pi_ref)` (Schulman 2020's k3 estimator,
   GRPO's KL to a frozen reference) and `mismatch_kl_coef * (log pi_theta/mu)^2`
   (Kimi K2.5's penalty on the trainer/inference log ratio, used by dppo_tv).
-- aggregation (`algo.aggregation`, "auto" = the paper's choice for the loss):
+- aggregation (`algo.aggregation`, set by the loss's paper preset unless given):
   token:    sum_{b,t} l / (global loss tokens)                      (DAPO)
   sequence: sum_b mean_t l / (global sequences)                     (GRPO, GSPO)
   constant: sum_{b,t} l / (global sequences * algo.max_tokens)      (Dr.GRPO)
@@ -56,7 +58,8 @@ def k3_kl(logp: Tensor, logp_ref: Tensor) -> Tensor:
 
 
 def aggregation(cfg: AlgoConfig) -> str:
-    return DEFAULT_AGGREGATION[cfg.loss] if cfg.aggregation == "auto" else cfg.aggregation
+    assert cfg.aggregation is not None, "AlgoConfig.__post_init__ fills it from the loss's preset"
+    return cfg.aggregation
 
 
 def aggregate(per_token: Tensor, mask: Tensor, how: str) -> Tensor:
@@ -76,9 +79,13 @@ def loss_normalizer(cfg: AlgoConfig, mb: MicroBatch) -> float:
     return mb.num_sequences_global * _max_tokens(cfg)
 
 
-def _log_ratio(logp_train: Tensor, logp_infer: Tensor, mask: Tensor, cfg: AlgoConfig) -> Tensor:
-    """log r per token, zero off the mask: against mu, or against sg(pi_theta) under a correction."""
-    old = logp_infer if cfg.correction == "none" else logp_train.detach()
+def _log_ratio(logp_train: Tensor, logp_infer: Tensor, mask: Tensor, cfg: AlgoConfig,
+               logp_prox: Tensor | None) -> Tensor:
+    """log r per token, zero off the mask: against mu, or against pi_prox under a correction."""
+    if cfg.correction == "none":
+        old = logp_infer
+    else:
+        old = logp_train.detach() if logp_prox is None else logp_prox
     return (logp_train - old) * mask
 
 
@@ -92,9 +99,10 @@ def _clipped(ratio: Tensor, adv: Tensor, cfg: AlgoConfig) -> tuple[Tensor, Tenso
 
 
 def _finish(per_token: Tensor, outside: Tensor, logp_train: Tensor, logp_infer: Tensor, mask: Tensor,
-            cfg: AlgoConfig, logp_ref: Tensor | None) -> tuple[Tensor, dict[str, Tensor]]:
+            cfg: AlgoConfig, logp_ref: Tensor | None, logp_prox: Tensor | None) -> tuple[Tensor, dict[str, Tensor]]:
     """Correction weight, extra terms, aggregation and stats shared by every loss."""
-    weight, stats = correction_weights(logp_train, logp_infer, mask, cfg)
+    prox = logp_train if logp_prox is None else logp_prox
+    weight, stats = correction_weights(prox, logp_infer, mask, cfg)
     per_token = per_token * weight
     if cfg.mismatch_kl_coef > 0:
         per_token = per_token + cfg.mismatch_kl_coef * ((logp_train - logp_infer) * mask) ** 2
@@ -110,89 +118,98 @@ def _finish(per_token: Tensor, outside: Tensor, logp_train: Tensor, logp_infer: 
 
 
 def grpo_loss(logp_train: Tensor, logp_infer: Tensor, advantages: Tensor, mask: Tensor, cfg: AlgoConfig,
-              logp_ref: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+              logp_ref: Tensor | None = None, logp_prox: Tensor | None = None
+              ) -> tuple[Tensor, dict[str, Tensor]]:
     """GRPO (Shao et al. 2024, DeepSeekMath, arXiv:2402.03300), PPO's clipped surrogate per token.
 
     l_t = -min(r_t A, clip(r_t, 1-eps_low, 1+eps_high) A)  [+ beta k3(pi_theta || pi_ref)]
-    J = 1/G sum_i 1/|o_i| sum_t l_t : sequence mean of token means ("auto" aggregation).
+    J = 1/G sum_i 1/|o_i| sum_t l_t : sequence mean of token means (preset aggregation).
     ratio_correction=mask drops tokens outside the band instead: l_t = -r_t A 1[r_t in band].
     """
-    ratio = torch.exp(_log_ratio(logp_train, logp_infer, mask, cfg))
+    ratio = torch.exp(_log_ratio(logp_train, logp_infer, mask, cfg, logp_prox))
     per_token, outside = _clipped(ratio, advantages, cfg)
-    return _finish(per_token, outside, logp_train, logp_infer, mask, cfg, logp_ref)
+    return _finish(per_token, outside, logp_train, logp_infer, mask, cfg, logp_ref, logp_prox)
 
 
 def dapo_loss(logp_train: Tensor, logp_infer: Tensor, advantages: Tensor, mask: Tensor, cfg: AlgoConfig,
-              logp_ref: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+              logp_ref: Tensor | None = None, logp_prox: Tensor | None = None
+              ) -> tuple[Tensor, dict[str, Tensor]]:
     """DAPO (Yu et al. 2025, arXiv:2503.14476): GRPO's surrogate with clip-higher, token-level mean.
 
     l_t = -min(r_t A, clip(r_t, 1-eps_low, 1+eps_high) A), eps_high > eps_low (0.2, 0.28)
-    J = 1/sum_i |o_i| sum_i sum_t l_t  ("auto" aggregation: token). Dynamic sampling
+    J = 1/sum_i |o_i| sum_i sum_t l_t  (preset aggregation: token). Dynamic sampling
     (algo.filter_zero_advantage) and overlong shaping (algo.overlong_*) live in the buffer.
     """
-    return grpo_loss(logp_train, logp_infer, advantages, mask, cfg, logp_ref)
+    return grpo_loss(logp_train, logp_infer, advantages, mask, cfg, logp_ref, logp_prox)
 
 
 def dr_grpo_loss(logp_train: Tensor, logp_infer: Tensor, advantages: Tensor, mask: Tensor, cfg: AlgoConfig,
-                 logp_ref: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+                 logp_ref: Tensor | None = None, logp_prox: Tensor | None = None
+              ) -> tuple[Tensor, dict[str, Tensor]]:
     """Dr.GRPO (Liu et al. 2025, "Understanding R1-Zero-Like Training", arXiv:2503.20783).
 
     l_t = -min(r_t A, clip(r_t, 1-eps, 1+eps) A) with A = r - mean(r) (algo.std_normalize=false)
     J = 1/(G * L_max) sum_i sum_t l_t : a constant normaliser, L_max = algo.max_tokens
-    ("auto" aggregation: constant), so neither length nor group std biases the update.
+    (preset aggregation: constant), so neither length nor group std biases the update.
     """
-    return grpo_loss(logp_train, logp_infer, advantages, mask, cfg, logp_ref)
+    return grpo_loss(logp_train, logp_infer, advantages, mask, cfg, logp_ref, logp_prox)
 
 
 def gspo_loss(logp_train: Tensor, logp_infer: Tensor, advantages: Tensor, mask: Tensor, cfg: AlgoConfig,
-              logp_ref: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+              logp_ref: Tensor | None = None, logp_prox: Tensor | None = None
+              ) -> tuple[Tensor, dict[str, Tensor]]:
     """GSPO (Zheng et al. 2025, Qwen, arXiv:2507.18071): a sequence-level ratio and clip.
 
     s_i = (pi_theta(y_i) / mu(y_i))^(1/|y_i|) = exp(1/|y_i| sum_t log r_t)
     l_i = -min(s_i A_i, clip(s_i, 1-eps_low, 1+eps_high) A_i), eps (3e-4, 4e-4) in the paper
-    J = 1/G sum_i l_i ("auto" aggregation: sequence; every token of sequence i carries l_i).
+    J = 1/G sum_i l_i (preset aggregation: sequence; every token of sequence i carries l_i).
     """
-    log_r = _log_ratio(logp_train, logp_infer, mask, cfg)
+    log_r = _log_ratio(logp_train, logp_infer, mask, cfg, logp_prox)
     n = mask.sum(-1, keepdim=True).clamp(min=1)
     seq_ratio = torch.exp(log_r.sum(-1, keepdim=True) / n)
     seq_adv = (advantages * mask).sum(-1, keepdim=True) / n
     per_seq, outside = _clipped(seq_ratio, seq_adv, cfg)
     return _finish(per_seq.expand_as(mask), outside.expand_as(mask), logp_train, logp_infer, mask, cfg,
-                   logp_ref)
+                   logp_ref, logp_prox)
 
 
 def cispo_loss(logp_train: Tensor, logp_infer: Tensor, advantages: Tensor, mask: Tensor, cfg: AlgoConfig,
-               logp_ref: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+               logp_ref: Tensor | None = None, logp_prox: Tensor | None = None
+              ) -> tuple[Tensor, dict[str, Tensor]]:
     """CISPO (MiniMax-M1, arXiv:2506.13585): a clipped, stop-gradient importance weight.
 
     l_t = -sg(clip(r_t, 1-eps_low, 1+eps_high)) A log pi_theta(y_t); no token loses its
     gradient. The paper sets no lower bound (eps_low = 1) and tunes eps_high only.
     Computed as -sg(r^) A pi_theta/sg(pi_theta): the same gradient, value -r^ A.
-    J = 1/sum_i |o_i| sum_i sum_t l_t ("auto" aggregation: token).
+    J = 1/sum_i |o_i| sum_i sum_t l_t (preset aggregation: token).
     """
-    ratio = torch.exp(_log_ratio(logp_train, logp_infer, mask, cfg)).detach()
+    ratio = torch.exp(_log_ratio(logp_train, logp_infer, mask, cfg, logp_prox)).detach()
     lo, hi = 1.0 - cfg.eps_low, 1.0 + cfg.eps_high
     outside = ((ratio < lo) | (ratio > hi)).float()
     score = torch.exp(logp_train - logp_train.detach())
     per_token = -ratio.clamp(lo, hi) * advantages * score
-    return _finish(per_token, outside, logp_train, logp_infer, mask, cfg, logp_ref)
+    return _finish(per_token, outside, logp_train, logp_infer, mask, cfg, logp_ref, logp_prox)
 
 
 def dppo_tv_loss(logp_train: Tensor, logp_infer: Tensor, advantages: Tensor, mask: Tensor, cfg: AlgoConfig,
-                 logp_ref: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+                 logp_ref: Tensor | None = None, logp_prox: Tensor | None = None
+              ) -> tuple[Tensor, dict[str, Tensor]]:
     """DPPO-Binary-TV (arXiv:2602.04879) as prime-rl's default loss: a probability-difference mask.
 
     d_t = pi_theta(y_t) - mu(y_t); a token is dropped when it left the trust region in
     the direction its advantage pushes: A > 0 and d_t > eps_high, or A < 0 and d_t < -eps_low.
+    A token whose ratio exceeds `algo.ratio_cap` (preset 10; 0: off) is dropped as well.
     l_t = -1[kept] r_t A  [+ mismatch_kl_coef (log r_t)^2, Kimi K2.5's KL penalty]
-    J = 1/sum_i |o_i| sum_i sum_t l_t ("auto" aggregation: token).
+    J = 1/sum_i |o_i| sum_i sum_t l_t (preset aggregation: token).
     """
-    log_r = _log_ratio(logp_train, logp_infer, mask, cfg)
+    log_r = _log_ratio(logp_train, logp_infer, mask, cfg, logp_prox)
     ratio = torch.exp(log_r)
     diff = (torch.exp(logp_train) - torch.exp(logp_train - log_r)).detach()
     dropped = ((advantages > 0) & (diff > cfg.eps_high)) | ((advantages < 0) & (diff < -cfg.eps_low))
+    if cfg.ratio_cap:  # a rare token (mu tiny) can pass the probability test with an unbounded ratio
+        dropped = dropped | (ratio.detach() > cfg.ratio_cap)
     per_token = -ratio * advantages * (~dropped).float()
-    return _finish(per_token, dropped.float(), logp_train, logp_infer, mask, cfg, logp_ref)
+    return _finish(per_token, dropped.float(), logp_train, logp_infer, mask, cfg, logp_ref, logp_prox)
 
 
 LOSSES: dict[str, LossFn] = {
@@ -203,16 +220,6 @@ LOSSES: dict[str, LossFn] = {
     "cispo": cispo_loss,
     "dppo_tv": dppo_tv_loss,
 }
-
-DEFAULT_AGGREGATION: dict[str, str] = {
-    "grpo": "sequence",
-    "dapo": "token",
-    "dr_grpo": "constant",
-    "gspo": "sequence",
-    "cispo": "token",
-    "dppo_tv": "token",
-}
-
 
 def get_loss(name: str) -> LossFn:
     if name not in LOSSES:
@@ -228,7 +235,7 @@ def _choose(key: str, value: str, options: tuple[str, ...]) -> None:
 def check_algo(cfg: AlgoConfig) -> None:
     """Every `algo.*` value the losses and the buffer will read; raises ValueError naming the key."""
     get_loss(cfg.loss)
-    _choose("aggregation", cfg.aggregation, ("auto", *AGGREGATIONS))
+    _choose("aggregation", str(cfg.aggregation), AGGREGATIONS)
     _choose("baseline", cfg.baseline, BASELINES)
     _choose("correction", cfg.correction, CORRECTIONS)
     _choose("correction_level", cfg.correction_level, LEVELS)
@@ -238,8 +245,10 @@ def check_algo(cfg: AlgoConfig) -> None:
     if not 0 <= cfg.correction_low < 1 < cfg.correction_high:
         raise ValueError(f"algo.correction_low={cfg.correction_low} must be in [0, 1) and "
                          f"algo.correction_high={cfg.correction_high} > 1")
-    if cfg.kl_coef < 0 or cfg.mismatch_kl_coef < 0:
-        raise ValueError("algo.kl_coef and algo.mismatch_kl_coef must be >= 0")
+    if cfg.kl_coef < 0 or cfg.mismatch_kl_coef < 0 or cfg.ratio_cap < 0:
+        raise ValueError("algo.kl_coef, algo.mismatch_kl_coef and algo.ratio_cap must be >= 0")
+    if cfg.mini_batches < 1 or cfg.epochs < 1:
+        raise ValueError(f"algo.mini_batches={cfg.mini_batches} and algo.epochs={cfg.epochs} must be >= 1")
     if aggregation(cfg) == "constant" or cfg.overlong_buffer > 0:
         max_tokens = _max_tokens(cfg)
         if cfg.overlong_buffer >= max_tokens:

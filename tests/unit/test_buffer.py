@@ -22,6 +22,26 @@ def group(version: int, rewards=(1.0, 0.0)) -> Group:
     return Group([rollout(r, version) for r in rewards])
 
 
+def test_failed_rollouts_stay_out_of_the_group_baseline() -> None:
+    """Rewards 1, 0, 0 and a failed rollout (reward 0): the baseline is mean(1, 0, 0) = 1/3 with the std
+    of those three, not of four; the failed rollout gets advantage 0. A group left with one valid rollout
+    has no baseline: it is dropped and counted, and its ticket comes back."""
+    async def go() -> None:
+        buf = make(k=0, G=1, ranks=1, std_normalize=True, std_eps=0.0)
+        g = group(0, rewards=(1.0, 0.0, 0.0, 0.0))
+        g.rollouts[3].error = "EnvError: RuntimeError: boom"
+        lone = group(0, rewards=(1.0, 0.0))
+        lone.rollouts[1].error = "RewardError: ValueError: bad"
+        await buf.reserve(0, 2)
+        await buf.put([lone, g])
+        await buf.get_batch(0)
+        std = np.std([1.0, 0.0, 0.0])
+        np.testing.assert_allclose(g.advantages, [(2 / 3) / std, (-1 / 3) / std, (-1 / 3) / std, 0.0], rtol=1e-5)
+        stats = await buf.step_stats(0)
+        assert stats["invalid_groups_dropped"] == 1 and buf.released == 1
+    asyncio.run(go())
+
+
 def make(k: int = 1, ranks: int = 2, G: int = 2, **algo) -> BufferActor:
     return BufferActor(AlgoConfig(**algo), groups_per_step=G, max_off_policy_steps=k, num_ranks=ranks,
                        micro_batch_tokens=4096, pad_id=0)
@@ -42,9 +62,9 @@ def test_stale_group_is_dropped_and_counted() -> None:
 def test_rollout_errors_are_counted_by_kind() -> None:
     async def go() -> None:
         buf = make(k=0, G=2)
-        bad = group(0)
+        bad = group(0, rewards=(1.0, 0.0, 1.0))
         bad.rollouts[0].error = "ToolTimeout: tool 'calc' ran past env.tool_timeout_s=1.0s"
-        worse = group(0)
+        worse = group(0, rewards=(1.0, 0.0, 1.0, 0.0))
         worse.rollouts[0].error = "EnvError: RuntimeError: boom"
         worse.rollouts[1].error = "ToolTimeout: tool 'calc' ran past env.tool_timeout_s=1.0s"
         await buf.put([bad, worse])

@@ -45,7 +45,7 @@ def test_grpo_token_and_sequence_aggregation() -> None:
     assert stats["ratio_outside"] == 2
     # clipped tokens get no gradient; the others -r*A
     np.testing.assert_allclose(grad, [[0, -0.9, 0], [2.0, 0, 2.2]], atol=1e-6)
-    loss, _, grad = run("grpo")  # auto: GRPO's paper averages token means per sequence
+    loss, _, grad = run("grpo")  # the preset: GRPO's paper averages token means per sequence
     assert loss == pytest.approx((-1.2 - 0.9) / 2 + (2 + 1.6 + 2.2) / 3, abs=1e-5)
     np.testing.assert_allclose(grad, [[0, -0.45, 0], [2 / 3, 0, 2.2 / 3]], atol=1e-6)
 
@@ -78,12 +78,12 @@ def test_loss_normalizer_per_aggregation() -> None:
 
 def test_gspo_sequence_ratio() -> None:
     s0, s1 = math.sqrt(1.5 * 0.9), (1.0 * 0.7 * 1.1) ** (1 / 3)  # geometric means of the ratios
-    loss, stats, grad = run("gspo")  # eps 0.2: both inside the band
+    loss, stats, grad = run("gspo", eps_low=0.2, eps_high=0.2)  # both inside the band
     assert loss == pytest.approx(-s0 + 2 * s1, abs=1e-5)
     assert stats["ratio_outside"] == 0
     # d(-s A)/dlogp_t = -A s / |y|, the same for every token of a sequence
     np.testing.assert_allclose(grad, [[-s0 / 2, -s0 / 2, 0], [2 * s1 / 3] * 3], atol=1e-6)
-    loss, stats, grad = run("gspo", eps_low=3e-4, eps_high=4e-4)  # the paper's band: both clipped
+    loss, stats, grad = run("gspo")  # the paper's band (3e-4, 4e-4), its preset: both clipped
     assert loss == pytest.approx(-1.0004 + 2 * 0.9997, abs=1e-5)
     assert stats["ratio_outside"] == 5
     np.testing.assert_allclose(grad, 0, atol=1e-7)
@@ -100,10 +100,24 @@ def test_cispo_clips_the_weight_but_keeps_every_gradient() -> None:
 def test_dppo_tv_masks_by_probability_difference_in_the_advantage_direction() -> None:
     # pi - mu: row 0 [0.25, -0.05] (A > 0), row 1 [0, -0.15, 0.05] (A < 0)
     # dropped: row 0 token 0 (0.25 > eps_high 0.2), row 1 token 1 (-0.15 < -eps_low -0.1)
-    loss, stats, grad = run("dppo_tv", eps_low=0.1, eps_high=0.2)
+    loss, stats, grad = run("dppo_tv", eps_low=0.1, eps_high=0.2, mismatch_kl_coef=0.0)
     assert loss == pytest.approx(-0.9 + 2 + 2.2, abs=1e-5)
     assert stats["ratio_outside"] == 2
     np.testing.assert_allclose(grad, [[0, -0.9, 0], [2.0, 0, 2.2]], atol=1e-6)
+
+
+def test_dppo_tv_caps_the_ratio_of_a_rare_token() -> None:
+    # pi 0.1, mu 0.001: pi - mu = 0.099 passes the probability test, but the ratio is 100
+    lt = torch.log(torch.tensor([[0.1, 0.5]])).requires_grad_()
+    li = torch.log(torch.tensor([[0.001, 0.5]]))
+    for cap, kept in ((0.0, [100.0, 1.0]), (10.0, [0.0, 1.0])):  # the preset caps at 10
+        cfg = AlgoConfig(loss="dppo_tv", mismatch_kl_coef=0.0, ratio_cap=cap)
+        lt.grad = None
+        loss, stats = get_loss("dppo_tv")(lt, li, torch.ones(1, 2), torch.ones(1, 2), cfg)
+        loss.backward()
+        np.testing.assert_allclose(lt.grad.numpy(), [[-k for k in kept]], rtol=1e-4)  # a sum: -r A
+        assert stats["ratio_outside"] == (cap > 0)
+    assert AlgoConfig(loss="dppo_tv").ratio_cap == 10.0
 
 
 def test_mismatch_kl_penalty_by_hand() -> None:
@@ -195,3 +209,47 @@ def test_presets_cover_every_loss_and_are_valid_config() -> None:
 def test_check_algo_names_the_key(overrides: dict, key: str) -> None:
     with pytest.raises(ValueError, match=key):
         check_algo(AlgoConfig(**overrides))
+
+
+def composed(*overrides: str) -> AlgoConfig:
+    """`algo` as `python -m rlray.launch OVERRIDES` composes it from the shipped conf/config.yaml."""
+    from hydra import compose, initialize_config_dir
+
+    from rlray.config import register, to_config
+    from rlray.launch import CONF_DIR
+
+    register()
+    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
+        return to_config(compose("config", overrides=list(overrides))).algo
+
+
+@pytest.mark.parametrize("name", sorted(LOSSES))
+def test_the_shipped_config_applies_each_papers_preset(name: str) -> None:
+    algo = composed(f"algo.loss={name}")
+    assert {k: getattr(algo, k) for k in PRESETS[name]} == PRESETS[name]
+
+
+def test_dr_grpo_under_the_shipped_config_is_sum_over_G_times_L_max() -> None:
+    """The README's Dr.GRPO line: a hand-made batch's loss is sum / (G * L_max), advantages r - mean."""
+    from rlray.algo.advantages import group_advantages
+
+    algo = composed("algo.loss=dr_grpo", "rollout.max_tokens=4")
+    assert (algo.aggregation, algo.std_normalize, algo.max_tokens) == ("constant", False, 4)
+    adv = group_advantages(np.array([1.0, 0.0]), algo.std_normalize, algo.std_eps, algo.baseline)
+    np.testing.assert_allclose(adv, [0.5, -0.5])  # no std division
+    lt, li, _, mask = inputs()
+    a = torch.tensor(adv)[:, None].expand(2, 3) * mask
+    loss_sum, _ = get_loss("dr_grpo")(lt, li, a, mask, algo)
+    mb = MicroBatch(*(np.zeros((2, 3)),) * 5, num_loss_tokens_global=5.0, num_sequences_global=2.0)
+    # l = -min(rA, clip(r)A): row 0 A=.5 r [1.5->1.2, .9]; row 1 A=-.5 r [1.0, .7->.8, 1.1]
+    by_hand = (-0.5 * 1.2 - 0.5 * 0.9 + 0.5 * 1.0 + 0.5 * 0.8 + 0.5 * 1.1) / (2 * 4)
+    assert float(loss_sum.detach()) / loss_normalizer(algo, mb) == pytest.approx(by_hand, abs=1e-6)
+
+
+def test_explicit_keys_win_over_the_preset() -> None:
+    algo = composed("algo.loss=dr_grpo", "algo.aggregation=token", "rollout.max_tokens=4")
+    assert (algo.aggregation, algo.std_normalize) == ("token", False)
+    assert "aggregation" not in algo.from_preset and "std_normalize" in algo.from_preset
+    assert "set explicitly: aggregation=token" in algo.preset_line()
+    assert composed("+recipe=glm_moe").aggregation == "token"  # the recipe sets it
+    assert composed("algo.loss=gspo", "+recipe=glm_moe").eps_high == 4e-4
