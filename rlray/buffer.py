@@ -10,6 +10,8 @@ Contract:
   zero-advantage groups when `filter_zero_advantage` is on, and queues the rest.
   `cancel(n, actor)` returns tickets of groups that were not produced; `forget(actor)`
   returns every ticket a dead actor still held.
+- A rollout sampled under biasing args (`Rollout.biased`) goes to the trainer with NaN
+  inference logprobs: mu unknown, the trainer takes its own batch-start policy instead.
 - `get_batch(step)` waits until G fresh groups are queued, drops (and counts) groups
   older than `step - k`, and returns one list of packed micro-batches per trainer rank
   (with one rank, that rank's list itself: what Ray's `num_returns=1` hands the trainer).
@@ -54,7 +56,7 @@ class BufferActor:
         self.issued = 0
         self.released = 0
         self.held: dict[int, int] = {}  # tickets granted to each rollout actor and not yet put or cancelled
-        self.counts = {"stale_dropped": 0, "zero_adv_dropped": 0, "invalid_groups_dropped": 0, "groups_in": 0,
+        self.counts = {"stale_dropped": 0, "zero_adv_dropped": 0, "invalid_groups_dropped": 0, "groups_in": 0, "biased_rollouts": 0,
                        "rollout_errors": 0}
         self._stats: dict[int, dict[str, Any]] = {}
         self._ready = asyncio.Condition()
@@ -85,6 +87,7 @@ class BufferActor:
         async with self._ready:
             for g in groups:
                 self.counts["groups_in"] += 1
+                self.counts["biased_rollouts"] += sum(r.biased for r in g.rollouts)
                 for r in g.rollouts:
                     if r.error is not None:
                         self.counts["rollout_errors"] += 1
@@ -138,7 +141,7 @@ class BufferActor:
     def _samples(self, groups: list[Group]) -> list[Sample]:
         return [
             Sample(r.prompt_ids, r.completion_ids, r.loss_mask.astype(np.float32) * trains_on(r, self.algo),
-                   float(a), r.logprobs)
+                   float(a), np.full_like(r.logprobs, np.nan) if r.biased else r.logprobs)
             for g in groups
             for r, a in zip(g.rollouts, g.advantages)
         ]

@@ -217,6 +217,9 @@ class EnvConfig:
     server_port: int = 0  # 0: any free port
     chat_template: str | None = None  # None: the tokenizer's own, else rlray.server.PLAIN_CHAT_TEMPLATE
     tool_call_parser: str = "auto"  # vLLM's --tool-call-parser; auto: "rlray" with the plain template, else none
+    # An env whose sampling args bias the distribution (guided decoding, logit bias, penalties) is rejected
+    # at load; true: train it anyway, its rollouts' mu taken as the trainer's policy (README "Environments")
+    allow_biased_sampling: bool = False
 
     def __post_init__(self) -> None:
         if self.rollout_timeout_s <= 0 or self.tool_timeout_s <= 0:

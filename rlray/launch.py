@@ -37,6 +37,10 @@ def _plan(config: Config) -> Plan:
     from rlray.plan import check_local, make_plan
 
     check_algo(config.algo)
+    if not config.dry_run:  # an unknown env id, a missing package or biasing sampling args: one line, no Ray
+        from rlray.envs import load_envs
+
+        load_envs(config.env)
     if not config.dry_run:  # a dry run plans for the cluster the recipe names, not this machine
         check_local(config, " ".join(["python -m rlray.launch", *sys.argv[1:]]))
     try:

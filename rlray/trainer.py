@@ -122,8 +122,11 @@ class TrainerActor:
             ref = self._reference_logprobs(t) if rl and self.ref_model is not None else None
             logp = self._token_logprobs(t["input_ids"], t["attention_mask"], self.temperature if rl else 1.0)
             if rl:
-                loss_sum, stats = self.loss_fn(logp, t["inference_logprobs"], t["advantages"], t["loss_mask"],
-                                               self.algo, logp_ref=ref, logp_prox=prox[i] if prox else None)
+                old = prox[i] if prox else None
+                mu = t["inference_logprobs"]  # NaN: mu unknown (biased sampling), the batch-start policy stands in
+                mu = torch.where(torch.isnan(mu), logp.detach() if old is None else old, mu)
+                loss_sum, stats = self.loss_fn(logp, mu, t["advantages"], t["loss_mask"], self.algo,
+                                               logp_ref=ref, logp_prox=old)
                 for k, v in stats.items():
                     sums[k] = sums.get(k, 0.0) + float(v)
             else:
@@ -210,7 +213,8 @@ class TrainerActor:
         `ratio_outside` as `ratio_outside_first` (0 on-policy)."""
         minis = sorted({mb.mini_batch for mb in micro_batches})
         prox = None
-        if self.algo.correction != "none" and len(minis) * self.algo.epochs > 1:
+        unknown_mu = any(np.isnan(mb.inference_logprobs).any() for mb in micro_batches)
+        if (self.algo.correction != "none" or unknown_mu) and len(minis) * self.algo.epochs > 1:
             prox = self._proximal(micro_batches)
         steps = []
         for _ in range(self.algo.epochs):

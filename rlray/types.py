@@ -27,6 +27,7 @@ class Rollout:
     finish_reason: str = ""
     error: str | None = None
     text: str = ""
+    biased: bool = False  # sampled under distribution-changing args (env.allow_biased_sampling): mu unknown
 
     @property
     def min_version(self) -> int:

@@ -6,7 +6,9 @@ Contract:
   arithmetic, calculator) names the module `rlray.envs.<id>`, any other id an installed
   environment module (dashes read as underscores), exactly as verifiers loads it.
   verifiers' own SIGINT/SIGTERM handlers are not installed (they would replace Ray's).
-- `load_envs(cfg) -> list[(Env, weight)]`: `env.mix` when set, else `env.id` with weight 1.
+- `load_envs(cfg) -> list[(Env, weight)]`: `env.mix` when set, else `env.id` with weight 1;
+  an env whose sampling args bias the sampled distribution is a ValueError naming the env
+  and the argument, unless `env.allow_biased_sampling`.
 - rlray.envs.base.Env is the handle (rows, examples); rlray.envs.runner runs rollouts.
 """
 
@@ -18,7 +20,7 @@ import sys
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from rlray.envs.base import Env, Example
+from rlray.envs.base import Env, Example, biased_sampling_args
 
 BUILTIN = ("reverse_text", "arithmetic", "calculator")
 
@@ -69,5 +71,12 @@ def load_envs(cfg: Any) -> list[tuple[Env, float]]:
     for env_id, args, weight in specs:
         if weight <= 0:
             raise ValueError(f"env.mix: weight of '{env_id}' is {weight}; weights must be > 0")
-        out.append((load_env(env_id, args, cfg.python_path), float(weight)))
+        env = load_env(env_id, args, cfg.python_path)
+        biased = biased_sampling_args(env.vf.sampling_args)
+        if biased and not cfg.allow_biased_sampling:
+            raise ValueError(f"env '{env_id}': sampling argument {', '.join(biased)} changes the distribution the "
+                             "engine samples from, while the trainer scores the unconstrained model (biased ratios "
+                             "and mismatch_kl); remove it, or set env.allow_biased_sampling=true to train its "
+                             "rollouts with mu taken as the trainer's policy")
+        out.append((env, float(weight)))
     return out

@@ -10,6 +10,13 @@ Contract:
   `answer` the row's answer.
 - `fast_path_ok` is True for plain single-turn environments (no tools, no overridden
   rollout hooks): their rollouts can skip HTTP and sample through the engine directly.
+- `render_prompt(tokenizer, messages, chat_template)`: prompt ids as the engine's endpoint
+  renders them (the chat template with its generation prompt, no extra special tokens);
+  RL, eval and SFT all build prompts with it.
+- `biased_sampling_args(sampling_args)`: the env's sampling arguments that change the
+  distribution sampled from (guided decoding, logit bias, penalties, min_tokens, ...), as
+  dotted names; the rollout engines would then sample from a constrained mu while the
+  trainer scores the unconstrained model.
 """
 
 from __future__ import annotations
@@ -34,6 +41,36 @@ def message_text(message: Any) -> str:
     if isinstance(content, list):
         return "".join(p.get("text", "") if isinstance(p, dict) else getattr(p, "text", "") or "" for p in content)
     return ""
+
+
+# Sampling arguments that change the sampled distribution, with their neutral value where one exists;
+# top_p, top_k, min_p and repetition_penalty are not here: the env runner pins them to neutral.
+BIASING_ARGS: dict[str, Any] = {
+    "logit_bias": None, "presence_penalty": 0.0, "frequency_penalty": 0.0, "min_tokens": 0,
+    "bad_words": None, "allowed_token_ids": None, "logits_processors": None, "response_format": None,
+    "structured_outputs": None, "guided_json": None, "guided_regex": None, "guided_choice": None,
+    "guided_grammar": None, "guided_decoding_backend": None, "guided_whitespace_pattern": None,
+}
+
+
+def biased_sampling_args(sampling_args: dict[str, Any] | None) -> list[str]:
+    """Dotted names (`extra_body.structured_outputs`) of the arguments that bias the sampled distribution."""
+    args = dict(sampling_args or {})
+    found = [(k, v) for k, v in args.items() if k != "extra_body"]
+    found += [(f"extra_body.{k}", v) for k, v in dict(args.get("extra_body") or {}).items()]
+    out = []
+    for name, value in found:
+        key = name.rsplit(".", 1)[-1]
+        if key in BIASING_ARGS and value not in (None, {}, [], "", BIASING_ARGS[key]):
+            out.append(name)
+    return out
+
+
+def render_prompt(tokenizer: Any, messages: list, chat_template: str | None, tools: list | None = None) -> list[int]:
+    """Prompt ids as the endpoint renders them (same chat template, no extra special tokens)."""
+    text = tokenizer.apply_chat_template([dict(m) for m in messages], tools=tools, tokenize=False,
+                                         add_generation_prompt=True, chat_template=chat_template)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
 def prompt_text(prompt: Any) -> str:

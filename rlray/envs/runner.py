@@ -44,7 +44,7 @@ from typing import Any
 
 import numpy as np
 
-from rlray.envs.base import Env, prompt_text
+from rlray.envs.base import Env, biased_sampling_args, prompt_text, render_prompt
 from rlray.envs.instrument import CURRENT, ToolTimeoutError, Tracker, error_kind, instrument_env
 from rlray.types import Rollout
 
@@ -148,10 +148,7 @@ class EnvRunner:
                 "extra_body": extra}
 
     def render(self, messages: list, tools: list | None = None) -> list[int]:
-        """Prompt ids as the endpoint renders them (same chat template, no extra special tokens)."""
-        text = self.tokenizer.apply_chat_template([dict(m) for m in messages], tools=tools, tokenize=False,
-                                                  add_generation_prompt=True, chat_template=self.chat_template)
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        return render_prompt(self.tokenizer, messages, self.chat_template, tools)
 
     # ---- the two paths ----------------------------------------------------------
     async def _http(self, env: Env, row: dict, sampling: dict, client: Any) -> Tracker:
@@ -312,4 +309,5 @@ class EnvRunner:
             versions=np.asarray(versions, dtype=np.int64),
             reward=reward, reward_parts=parts, env_id=env.id, example_id=int(row.get("example_id", -1)),
             finish_reason=finish, error=error, text=self.tokenizer.decode(ids, skip_special_tokens=True),
+            biased=bool(biased_sampling_args(env.vf.sampling_args)),
         )

@@ -19,7 +19,7 @@ MODEL = ModelConfig(num_layers=2, hidden_size=64, intermediate_size=128, num_hea
 TEMPERATURE = 1.0
 
 
-def groups(trainer, offset: float) -> list[Group]:  # type: ignore[no-untyped-def]
+def groups(trainer, offset: float, biased: bool = False) -> list[Group]:  # type: ignore[no-untyped-def]
     """4 groups of 4 rollouts with rewards 1, 0, 1, 0; mu = the trainer's own probability x e^-offset."""
     rng = np.random.default_rng(0)
     out = []
@@ -30,17 +30,17 @@ def groups(trainer, offset: float) -> list[Group]:  # type: ignore[no-untyped-de
             ids = np.concatenate([prompt, completion]).tolist()
             logp = np.asarray(trainer.logprobs(ids, len(prompt), TEMPERATURE), np.float32) - offset
             rollouts.append(Rollout(prompt, completion, logp, np.ones(6, np.int8), np.zeros(6, np.int64),
-                                    reward=float(j % 2)))
+                                    reward=float(j % 2), biased=biased))
         out.append(Group(rollouts))
     return out
 
 
-def batch(trainer, algo: AlgoConfig, offset: float) -> list:  # type: ignore[no-untyped-def]
+def batch(trainer, algo: AlgoConfig, offset: float, biased: bool) -> list:  # type: ignore[no-untyped-def]
     buf = BufferActor(algo, groups_per_step=4, max_off_policy_steps=0, num_ranks=1, micro_batch_tokens=64,
                       pad_id=0)
 
     async def go() -> list:
-        await buf.put(groups(trainer, offset))
+        await buf.put(groups(trainer, offset, biased))
         return await buf.get_batch(0)
     return asyncio.run(go())
 
@@ -49,14 +49,16 @@ def params(trainer) -> dict[str, torch.Tensor]:  # type: ignore[no-untyped-def]
     return {n: p.detach().full_tensor().clone() for n, p in trainer.model.named_parameters()}
 
 
-def worker(rank: int, world: int, port: int, out: dict, algo: dict, offset: float, nan: bool) -> None:
+def worker(rank: int, world: int, port: int, out: dict, algo: dict, offset: float, nan: bool,
+           biased: bool) -> None:
     from rlray.trainer import NonFiniteError, TrainerActor
 
     cfg = AlgoConfig(loss="grpo", aggregation="token", **algo)
     t = TrainerActor(rank, world, f"127.0.0.1:{port}", MODEL, TrainerConfig(lr=3e-2, num_ranks=1,
                      max_nonfinite_steps=2), cfg, "gloo", temperature=TEMPERATURE)
     t.setup()
-    mbs = batch(t, cfg, offset)
+    mbs = batch(t, cfg, offset, biased)
+    out["mu_unknown"] = all(np.isnan(mb.inference_logprobs).any() for mb in mbs)
     out["mini_batches"] = sorted({mb.mini_batch for mb in mbs})
     if not nan:
         out["metrics"] = t.train_step(mbs)
@@ -71,9 +73,9 @@ def worker(rank: int, world: int, port: int, out: dict, algo: dict, offset: floa
         out["error"] = str(e)
 
 
-def run(algo: dict, offset: float = 0.0, nan: bool = False) -> dict:
+def run(algo: dict, offset: float = 0.0, nan: bool = False, biased: bool = False) -> dict:
     model_path(MODEL)
-    return spawn(worker, 1, algo, offset, nan)
+    return spawn(worker, 1, algo, offset, nan, biased)
 
 
 def test_one_step_per_batch_never_leaves_the_trust_region() -> None:
@@ -105,3 +107,13 @@ def test_a_nan_loss_is_skipped_counted_and_stops_after_k_in_a_row() -> None:
     assert out["unchanged"], "a NaN step changed the weights"
     assert out["metrics"]["skipped_steps"] == 1
     assert "2 optimizer steps in a row" in out["error"] and "trainer.max_nonfinite_steps=2" in out["error"]
+
+
+def test_biased_rollouts_train_with_the_batch_start_policy_as_mu() -> None:
+    """Rollouts sampled under guided decoding reach the trainer with mu unknown (NaN): the step is
+    finite, nothing is skipped, the first step is on-policy by construction (mu = pi) and the clip still
+    binds on later steps (against the batch-start policy, not the unknown mu)."""
+    out = run({"mini_batches": 4}, offset=0.3, biased=True)
+    m = out["metrics"]
+    assert out["mu_unknown"] and m["skipped_steps"] == 0 and np.isfinite(m["loss"])
+    assert m["ratio_outside_first"] == 0 and m["ratio_outside"] > 0

@@ -47,7 +47,7 @@ def actor() -> Iterator[tuple[Any, LoopThread]]:
     c.model.num_layers = 2
     env = EnvConfig(mix=[EnvSpec("reverse_text", {"num_train": 64, "num_eval": 16}, 1.0),
                          EnvSpec("calculator", {"force_tool_format": True, "max_turns": 3, "num_train": 64,
-                                                "num_eval": 16}, 1.0)])
+                                                "num_eval": 16}, 1.0)], allow_biased_sampling=True)
     lt = LoopThread()
     a = RolloutActor(0, 1, c.model, c.rollout, env, seed=0)
     lt.run(a.start())

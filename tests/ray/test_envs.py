@@ -147,7 +147,7 @@ def test_env_module_trains_by_id_with_failures_while_serving_openai(ray_cluster,
 def test_tool_env_with_a_hanging_tool_trains_end_to_end(ray_cluster, tmp_path) -> None:
     folder = write_module(tmp_path / "envs", "rlray_test_hanging_tool_env", HANGING_TOOL_ENV)
     c = tiny_config(tmp_path, env={"id": "rlray_test_hanging_tool_env", "python_path": [folder],
-                                   "tool_timeout_s": 1.0},
+                                   "tool_timeout_s": 1.0, "allow_biased_sampling": True},
                     rl={"steps": 3}, eval={"num_examples": 8, "num_samples": 2, "temperature": 1.0})
     c.stages = ["rl"]
     t0 = time.time()
@@ -155,6 +155,7 @@ def test_tool_env_with_a_hanging_tool_trains_end_to_end(ray_cluster, tmp_path) -
     rl = records(c.run.dir, "metrics.jsonl", "rl")
     assert [x["step"] for x in rl] == list(range(3)) and summary["rl_end_reward"] >= 0.0
     assert rl[-1]["rollout_errors"] > 0
+    assert rl[-1]["biased_rollouts"] == rl[-1]["groups_in"] * c.rollout.group_size  # its guided decoding
     errors = [x for e in records(c.run.dir, "eval_results.jsonl", "rl-end") for x in e["errors"]]
     timeouts = [x for x in errors if x is not None]
     assert timeouts and all(x == "ToolTimeout: tool 'calc' ran past env.tool_timeout_s=1.0s" for x in timeouts)

@@ -244,3 +244,46 @@ def test_plain_template_round_trips_tool_calls(tok) -> None:
     text = tok.apply_chat_template(messages, chat_template=PLAIN_CHAT_TEMPLATE, tokenize=False,
                                    add_generation_prompt=True)
     assert text == "<bos>c:12*3=calc(12*3)<|im_end|>36"
+
+
+# ---- sampling arguments and SFT examples ----------------------------------------------
+def test_biasing_sampling_args_are_named_and_rejected_at_load() -> None:
+    from rlray.envs.base import biased_sampling_args
+
+    assert biased_sampling_args({"max_tokens": 8, "presence_penalty": 0.0, "extra_body": {"top_k": 5}}) == []
+    assert biased_sampling_args({"logit_bias": {"3": 5}, "extra_body": {"min_tokens": 4, "guided_regex": "a+"}}) \
+        == ["logit_bias", "extra_body.min_tokens", "extra_body.guided_regex"]
+    cfg = EnvConfig(id="calculator", args={"force_tool_format": True})
+    with pytest.raises(ValueError) as e:
+        load_envs(cfg)
+    message = str(e.value)
+    assert "\n" not in message and "env 'calculator'" in message
+    assert "extra_body.structured_outputs" in message and "env.allow_biased_sampling=true" in message
+    cfg.allow_biased_sampling = True
+    assert [env.id for env, _ in load_envs(cfg)] == ["calculator"]
+
+
+def test_sft_prompts_use_the_chat_template_and_draw_from_the_mix(tok) -> None:
+    from rlray.config import EnvSpec
+    from rlray.data.tokenizer import encode_prompt
+    from rlray.envs.sft import SFTData
+    from rlray.server import PLAIN_CHAT_TEMPLATE
+
+    envs = load_envs(EnvConfig(mix=[EnvSpec("reverse_text", {"num_train": 40}, 3.0),
+                                    EnvSpec("arithmetic", {"num_train": 40}, 1.0)]))
+    plain = SFTData(envs, tok, PLAIN_CHAT_TEMPLATE, seed=0)
+    draws = [plain.draws(step, 64) for step in range(3)]
+    assert draws[1] == plain.draws(1, 64)  # a step's draws depend on the step only
+    ids = [e.id for step in draws for e, _ in step]
+    assert 0.6 < ids.count("reverse_text") / len(ids) < 0.9 and "arithmetic" in ids  # weights 3:1
+    for env_id in ("reverse_text", "arithmetic"):  # each env's rows continue in order across steps
+        rows = [i for step in draws for e, i in step if e.id == env_id]
+        assert rows == list(range(len(rows)))
+    env, i = draws[2][0]
+    ex = env.example("train", i)
+    s = plain.sample(env, i)
+    assert s.prompt_ids.tolist() == encode_prompt(tok, ex.prompt)  # the plain template: bos + the text
+    assert s.completion_ids.tolist() == tok(ex.answer, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    chat = "{% for m in messages %}<|im_end|>user:{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}a:{% endif %}"
+    templated = SFTData(envs, tok, chat, seed=0).sample(env, i)
+    assert tok.decode(templated.prompt_ids.tolist()) == f"<|im_end|>user:{ex.prompt}a:"
