@@ -18,8 +18,9 @@ Contract:
   With `algo.mini_batches` = M, the batch's sequences are cut into M consecutive equal
   shares, each packed on its own and labelled `MicroBatch.mini_batch` (one optimizer step each).
 - `queued(step)` is how many queued groups `get_batch(step)` could use now (of G).
-- `step_stats(step)` returns the rewards, lags and drop counts of that batch, and the
-  rollout errors so far, in all and by kind (`errors/<Kind>`).
+- `step_stats(step)` returns the rewards, lags and drop counts of that batch, the rollout
+  errors so far, in all and by kind (`errors/<Kind>`), and `rollout_tokens_per_s`: completion
+  tokens the rollout actors delivered (kept or dropped) per wall second since the last batch.
 - `state()` / `load_state()` round-trip the counters for resume.
 Methods are coroutines so one actor serves puts while a get_batch waits.
 """
@@ -27,6 +28,7 @@ Methods are coroutines so one actor serves puts while a get_batch waits.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import deque
 from typing import Any
 
@@ -59,6 +61,8 @@ class BufferActor:
         self.counts = {"stale_dropped": 0, "zero_adv_dropped": 0, "invalid_groups_dropped": 0, "groups_in": 0, "biased_rollouts": 0,
                        "rollout_errors": 0}
         self._stats: dict[int, dict[str, Any]] = {}
+        self.generated_tokens = 0  # completion tokens of every group put, dropped ones too
+        self._rate_mark: tuple[float, int] | None = None  # (time, generated_tokens) at the last batch
         self._ready = asyncio.Condition()
 
     async def reserve(self, version: int, want: int, actor: int = 0) -> int:
@@ -87,6 +91,9 @@ class BufferActor:
         async with self._ready:
             for g in groups:
                 self.counts["groups_in"] += 1
+                self.generated_tokens += sum(len(r.completion_ids) for r in g.rollouts)
+                if self._rate_mark is None:
+                    self._rate_mark = (time.monotonic(), 0)
                 self.counts["biased_rollouts"] += sum(r.biased for r in g.rollouts)
                 for r in g.rollouts:
                     if r.error is not None:
@@ -121,7 +128,7 @@ class BufferActor:
                 await self._ready.wait()
             groups = [self.queue.popleft() for _ in range(self.G)]
         self._stats[step] = self._batch_stats(step, groups)
-        per_rank = self._pack(self._samples(groups))
+        per_rank = self._pack(self._samples(groups, step))
         return per_rank if self.num_ranks > 1 else per_rank[0]
 
     def _pack(self, samples: list[Sample]) -> list[list[MicroBatch]]:
@@ -138,10 +145,10 @@ class BufferActor:
                 per_rank[rank].extend(mbs)
         return per_rank
 
-    def _samples(self, groups: list[Group]) -> list[Sample]:
+    def _samples(self, groups: list[Group], step: int) -> list[Sample]:
         return [
             Sample(r.prompt_ids, r.completion_ids, r.loss_mask.astype(np.float32) * trains_on(r, self.algo),
-                   float(a), np.full_like(r.logprobs, np.nan) if r.biased else r.logprobs)
+                   float(a), np.full_like(r.logprobs, np.nan) if r.biased else r.logprobs, step - r.versions)
             for g in groups
             for r, a in zip(g.rollouts, g.advantages)
         ]
@@ -150,7 +157,11 @@ class BufferActor:
         rewards = np.concatenate([g.rewards for g in groups])
         lags = np.array([step - g.version for g in groups])
         tokens = sum(len(r.completion_ids) for g in groups for r in g.rollouts)
+        now = time.monotonic()
+        since, generated = self._rate_mark or (now, self.generated_tokens)
+        self._rate_mark = (now, self.generated_tokens)
         return {
+            "rollout_tokens_per_s": (self.generated_tokens - generated) / max(now - since, 1e-9),
             "reward_mean": float(rewards.mean()),
             "reward_std": float(rewards.std()),
             "lag_mean": float(lags.mean()),

@@ -20,8 +20,9 @@ from typing import Any
 from rlray.config import LoggingConfig
 
 CONSOLE = [("reward_mean", "reward", "{:.3f}"), ("eval_reward", "eval", "{:.3f}"), ("lag_mean", "lag", "{:.2f}"),
-           ("tokens_per_s", "tok/s", "{:.0f}"), ("step_seconds", "step_s", "{:.2f}"),
-           ("sync_seconds", "sync_s", "{:.3f}"), ("mismatch_kl", "mis_kl", "{:.1e}"), ("loss", "loss", "{:.4f}"),
+           ("rollout_tokens_per_s", "gen tok/s", "{:.0f}"), ("step_seconds", "step_s", "{:.2f}"),
+           ("sync_seconds", "sync_s", "{:.3f}"), ("mismatch_kl", "mis_kl", "{:.1e}"),
+           ("stale_kl", "stale_kl", "{:.1e}"), ("loss", "loss", "{:.4f}"),
            ("moe_load_max_mean", "moe_load", "{:.2f}")]
 
 
@@ -30,7 +31,8 @@ RAY_GAUGES = {
     "rlray_reward_mean": ("reward_mean", "mean reward of the last RL batch"),
     "rlray_eval_reward": ("eval_reward", "held-out reward at the last evaluation"),
     "rlray_off_policy_lag": ("lag_mean", "mean policy versions between generation and training"),
-    "rlray_rollout_tokens_per_s": ("tokens_per_s", "completion tokens trained per second of step time"),
+    "rlray_rollout_tokens_per_s": ("rollout_tokens_per_s", "completion tokens generated per second"),
+    "rlray_train_tokens_per_s": ("train_tokens_per_s", "completion tokens trained per second of step time"),
     "rlray_buffer_depth": ("queued", "groups waiting in the buffer"),
     "rlray_stale_groups_dropped": ("stale_dropped", "groups dropped as too stale, in total"),
     "rlray_rollout_errors": ("rollout_errors", "rollouts with an environment error, in total"),
@@ -39,7 +41,8 @@ RAY_GAUGES = {
     "rlray_step_seconds": ("step_seconds", "wall seconds of the whole step"),
     "rlray_weight_sync_seconds": ("sync_seconds", "seconds of the last weight broadcast"),
     "rlray_weight_sync_gb_per_s": ("sync_gb_per_s", "GB/s of the last weight broadcast"),
-    "rlray_mismatch_kl": ("mismatch_kl", "KL between inference and trainer logprobs"),
+    "rlray_mismatch_kl": ("mismatch_kl", "KL(inference || trainer) on tokens of the trainer's version"),
+    "rlray_stale_kl": ("stale_kl", "KL(inference || trainer) on tokens of older versions"),
     "rlray_moe_load_max_mean": ("moe_load_max_mean", "tokens of the busiest expert over the mean, per MoE layer"),
 }
 

@@ -25,7 +25,8 @@ Series = dict[str, tuple[list[int], list[float]]]
 RL_PANELS = [
     ("Reward", "reward", [("reward_mean", "batch mean", False), ("eval_reward", "held-out (greedy)", True)]),
     ("Off-policy lag", "policy versions", [("lag_mean", "mean", False), ("lag_max", "max", False)]),
-    ("Throughput", "tokens / s", [("tokens_per_s", "completion tokens/s", False)]),
+    ("Throughput", "tokens / s", [("rollout_tokens_per_s", "generated", False),
+                                  ("train_tokens_per_s", "trained", False)]),
 ]
 SFT_PANEL = ("Supervised warm-up", "loss / reward",
              [("loss", "loss", False), ("eval_reward", "held-out reward", True)])

@@ -12,7 +12,8 @@ Contract:
   the mini-batch's *global* normaliser. `sft_step(micro_batches)` takes one step with
   cross-entropy on the masked tokens. A step whose loss or gradient is NaN/inf is not
   applied (counted in `skipped_steps`); `trainer.max_nonfinite_steps` in a row raise
-  `NonFiniteError`.
+  `NonFiniteError`. `mismatch_kl` is KL(mu || pi) over the tokens the trainer's current
+  version sampled (the engine mismatch alone), `stale_kl` over the older ones (lag > 0).
 - `forward_backward(micro_batches, rl)` accumulates this rank's gradients and returns the
   local sums (the equivalence tests read the gradients after it).
 - `init_weight_group(...)` / `broadcast_weights()`: every rank gathers one full parameter at
@@ -37,7 +38,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from rlray.algo.loss import get_loss, loss_normalizer
+from rlray.algo.loss import get_loss, loss_normalizer, mismatch_kl
 from rlray.config import AlgoConfig, ModelConfig, TrainerConfig
 from rlray.models.load import build_model
 from rlray.models.tiny import model_path
@@ -96,7 +97,10 @@ class TrainerActor:
 
     def _tensors(self, mb: MicroBatch) -> dict[str, torch.Tensor]:
         keys = ("input_ids", "attention_mask", "loss_mask", "advantages", "inference_logprobs")
-        return {k: torch.tensor(np.asarray(getattr(mb, k)), device=self.device) for k in keys}
+        t = {k: torch.tensor(np.asarray(getattr(mb, k)), device=self.device) for k in keys}
+        t["stale"] = (torch.tensor(mb.lag, device=self.device) > 0).float() if mb.lag is not None \
+            else torch.zeros_like(t["loss_mask"])
+        return t
 
     def _token_logprobs(self, ids: torch.Tensor, attn: torch.Tensor, temperature: float) -> torch.Tensor:
         """logp[b, t] of token ids[b, t] given ids[b, :t]; position 0 gets 0."""
@@ -129,6 +133,7 @@ class TrainerActor:
                                                logp_ref=ref, logp_prox=old)
                 for k, v in stats.items():
                     sums[k] = sums.get(k, 0.0) + float(v)
+                self._split_mismatch(sums, logp, mu, t)
             else:
                 loss_sum = -(logp * t["loss_mask"]).sum()
             (loss_sum / denom).backward()
@@ -136,6 +141,17 @@ class TrainerActor:
             sums["tokens"] += float(t["attention_mask"].sum())
         sums["_norm"] = norm
         return sums
+
+    @staticmethod
+    def _split_mismatch(sums: dict[str, float], logp: torch.Tensor, mu: torch.Tensor,
+                        t: dict[str, torch.Tensor]) -> None:
+        """KL(mu || pi) on tokens sampled by the trainer's current version (the engine mismatch,
+        `mismatch_kl`) apart from the stale ones (`stale_kl`: mismatch plus staleness)."""
+        stale = t["loss_mask"] * t["stale"]
+        fresh = t["loss_mask"] - stale
+        for key, mask in (("mismatch_kl", fresh), ("stale_kl", stale)):
+            sums[f"_{key}"] = sums.get(f"_{key}", 0.0) + float(mismatch_kl(logp, mu, mask))
+            sums[f"_{key}_tokens"] = sums.get(f"_{key}_tokens", 0.0) + float(mask.sum())
 
     def _step(self, micro_batches: list[MicroBatch], rl: bool,
               prox: list[torch.Tensor] | None = None) -> dict[str, float]:
@@ -198,8 +214,11 @@ class TrainerActor:
         dist.all_reduce(t)
         out = {k: float(v) for k, v in zip(keys, t.tolist())}
         for k in out:
-            if k != "tokens":
+            if k != "tokens" and not k.startswith("_"):
                 out[k] /= (loss_norm or n_loss) if k == "loss" else n_loss
+        for key in ("mismatch_kl", "stale_kl"):  # RL: per token of their own kind
+            if f"_{key}" in out:
+                out[key] = out.pop(f"_{key}") / max(out.pop(f"_{key}_tokens"), 1.0)
         out["grad_norm"] = float(grad_norm)
         out["lr"] = self.scheduler.get_last_lr()[0]  # the rate this step applies
         return out

@@ -66,6 +66,7 @@ class MicroBatch:
     inference_logprobs: np.ndarray  # float32 [B, T]
     num_loss_tokens_global: float = 1.0  # loss tokens in the whole step, over every rank
     num_sequences_global: float = 1.0  # sequences with a loss token in the whole step, over every rank
+    lag: np.ndarray | None = None  # int64 [B, T]: trainer step minus the sampling policy's version (0: on-policy)
     mini_batch: int = 0  # the optimizer step (of algo.mini_batches) this micro-batch belongs to; the
     # global counts above are that mini-batch's
 

@@ -25,6 +25,7 @@ class Sample:
     loss_mask: np.ndarray  # [C]
     advantage: float
     logprobs: np.ndarray  # [C]
+    lag: np.ndarray | None = None  # [C]: trainer step minus the policy version that sampled each token
 
     def __len__(self) -> int:
         return len(self.prompt_ids) + len(self.completion_ids)
@@ -61,6 +62,7 @@ def to_micro_batch(samples: list[Sample], pad_id: int) -> MicroBatch:
     mask = np.zeros((B, T), dtype=np.float32)
     adv = np.zeros((B, T), dtype=np.float32)
     logp = np.zeros((B, T), dtype=np.float32)
+    lag = np.zeros((B, T), dtype=np.int64)
     for b, s in enumerate(samples):
         p, c = len(s.prompt_ids), len(s.completion_ids)
         ids[b, :p] = s.prompt_ids
@@ -69,7 +71,9 @@ def to_micro_batch(samples: list[Sample], pad_id: int) -> MicroBatch:
         mask[b, p:p + c] = s.loss_mask
         adv[b, p:p + c] = s.advantage
         logp[b, p:p + c] = s.logprobs
-    return MicroBatch(ids, attn, mask, adv, logp)
+        if s.lag is not None:
+            lag[b, p:p + c] = s.lag
+    return MicroBatch(ids, attn, mask, adv, logp, lag=lag)
 
 
 def pack(samples: list[Sample], num_ranks: int, micro_batch_tokens: int, pad_id: int) -> list[list[MicroBatch]]:

@@ -22,8 +22,8 @@ def write_metrics(run_dir: Path) -> None:
     lines[9]["eval_reward"] = 0.71
     for s in range(30):
         rec = {"stage": "rl", "step": s, "time": 2.0 + 0.6 * s, "reward_mean": 0.5 + 0.01 * s,
-               "lag_mean": 0.9, "lag_max": 1, "tokens_per_s": 2100.0 + s, "step_seconds": 0.6,
-               "sync_seconds": 0.02}
+               "lag_mean": 0.9, "lag_max": 1, "rollout_tokens_per_s": 2100.0 + s, "train_tokens_per_s": 900.0 + s,
+               "step_seconds": 0.6, "sync_seconds": 0.02}
         if s % 10 == 0:
             rec["eval_reward"] = 0.75 + 0.005 * s
         lines.append(rec)
@@ -59,7 +59,7 @@ def test_plot_writes_curves_png(tmp_path: Path) -> None:
 
 def test_plot_out_option_and_rl_only(tmp_path: Path) -> None:
     (tmp_path / "metrics.jsonl").write_text(
-        "\n".join(json.dumps({"stage": "rl", "step": s, "reward_mean": 0.1 * s, "tokens_per_s": 10.0})
+        "\n".join(json.dumps({"stage": "rl", "step": s, "reward_mean": 0.1 * s, "rollout_tokens_per_s": 10.0})
                   for s in range(5)) + "\n")
     out = tmp_path / "sub" / "x.png"
     proc = run_plot(str(tmp_path), "--out", str(out))

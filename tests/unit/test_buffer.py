@@ -139,3 +139,31 @@ def test_packed_batch_carries_advantages_and_global_token_count() -> None:
                 assert mb.num_loss_tokens_global == 6.0
                 assert mb.loss_mask[0, :3].sum() == 0  # prompt tokens are not trained
     asyncio.run(go())
+
+
+def test_token_lags_reach_the_trainer_and_split_the_mismatch() -> None:
+    """A batch at step 2 of groups sampled at versions 2 and 1: lags 0 and 1 per token; the trainer's
+    mismatch_kl covers the lag-0 tokens only and stale_kl the others, each per token of its kind."""
+    import math
+
+    import torch
+
+    from rlray.trainer import TrainerActor
+
+    async def go() -> list:
+        buf = make(k=1, ranks=1, G=2)
+        await buf.put([group(2), group(1)])
+        return await buf.get_batch(2)
+    mbs = asyncio.run(go())
+    lags = np.concatenate([mb.lag[mb.loss_mask > 0] for mb in mbs])
+    assert sorted(set(lags.tolist())) == [0, 1] and (lags == 0).sum() == (lags == 1).sum() == 6
+    mask = torch.ones(1, 4)
+    t = {"loss_mask": mask, "stale": torch.tensor([[0.0, 0.0, 1.0, 1.0]])}
+    mu = torch.zeros(1, 4)
+    logp = torch.tensor([[0.1, 0.1, 0.5, 0.5]])
+    sums: dict = {}
+    TrainerActor._split_mismatch(sums, logp, mu, t)
+    def k3(d: float) -> float:
+        return math.exp(d) - d - 1
+    assert sums["_mismatch_kl"] == pytest.approx(2 * k3(0.1)) and sums["_mismatch_kl_tokens"] == 2
+    assert sums["_stale_kl"] == pytest.approx(2 * k3(0.5)) and sums["_stale_kl_tokens"] == 2
