@@ -141,12 +141,16 @@ def spawn(c: Config, pad_id: int) -> Handles:
     return Handles(trainers, rollouts, buffer, [tpg, rpg])
 
 
+def rollout_name(index: int, incarnation: int = 0) -> str:
+    """`rollout-<index>`, and `rollout-<index>.<incarnation>` for a replacement."""
+    return f"rollout-{index}" + (f".{incarnation}" if incarnation else "")
+
+
 def spawn_rollout(c: Config, index: int, pg: PlacementGroup, incarnation: int = 0) -> Any:
-    """Rollout actor `index` in bundle `index` of `pg`; a replacement is named `rollout-<index>.<incarnation>`."""
+    """Rollout actor `index` in bundle `index` of `pg`, named `rollout_name(index, incarnation)`."""
     r = c.rollout
-    name = f"rollout-{index}" + (f".{incarnation}" if incarnation else "")
     return ray.remote(RolloutActor).options(
-        name=name, num_cpus=r.cpus_per_actor, num_gpus=r.gpus_per_actor, max_concurrency=1000,
+        name=rollout_name(index, incarnation), num_cpus=r.cpus_per_actor, num_gpus=r.gpus_per_actor, max_concurrency=1000,
         scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=index),
     ).remote(index, r.num_actors, c.model, r, c.env, c.run.seed + 1000 * incarnation)
 

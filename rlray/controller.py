@@ -2,11 +2,12 @@
 
 Contract: `run(config) -> summary` creates the run folder (resolved config,
 metrics.jsonl, eval samples), connects to Ray, spawns the actors, opens the weight
-group, then runs `config.stages` in order and tears everything down. A rollout
-actor that dies (with any engine whose weight load its death broke) is replaced in its
-bundle, up to `rollout.max_restarts` times: its buffer tickets are returned, the weight
-group is re-formed, the current policy is loaded and its RL loop resumes; training
-waits meanwhile and loses no step. With
+group, then runs `config.stages` in order and tears everything down. The rollout actors,
+their weight group, syncs and RL loops are a `RolloutFleet` (rlray.fleet), which replaces a
+rollout actor that dies or whose engine dies, up to `rollout.max_restarts` times; training
+waits meanwhile and loses no step. An RL step whose batch is not complete within
+`rl.batch_timeout_s` (restarted by a replacement) fails with one line naming the step, the
+groups queued and each rollout actor's last error. With
 `checkpoint.every` set, RL commits a checkpoint (trainer DCP shards, policy version,
 buffer counters) at its start and every that many steps; a later run with the same
 run folder resumes from the newest committed one (an interrupted SFT restarts). The
@@ -26,13 +27,13 @@ from typing import Any
 import numpy as np
 import ray
 import yaml
-from ray.exceptions import RayActorError, RayError
 
 from rlray import checkpoint, cluster
 from rlray.config import Config
 from rlray.data.packing import Sample, pack
 from rlray.data.tokenizer import encode_prompt
 from rlray.envs import load_env
+from rlray.fleet import RolloutFleet
 from rlray.metrics import Metrics
 from rlray.models.tiny import model_path
 from rlray.plan import needs
@@ -57,94 +58,57 @@ class Controller:
         self.metrics = Metrics(self.run_dir, c.logging, _config_dict(c))
         self.summary: dict[str, Any] = {"run_dir": str(self.run_dir)}
         self.ckpt_root = self.run_dir / "checkpoints"
-        self.version = 0
-        self.restarts = 0  # rollout actors replaced so far
-        self.runs: list[Any] = []  # each rollout actor's RL loop while RL runs (None while it is replaced)
+        self.version = 0  # the trainer's policy version: optimizer steps taken in RL
+        self.evals = 0  # evaluations logged so far
+        self.last_eval: dict[str, Any] = {}  # the latest evaluation's logged values
+        self._h: cluster.Handles | None = None
+        self._fleet: RolloutFleet | None = None
+
+    @property
+    def h(self) -> cluster.Handles:
+        assert self._h is not None, "Controller.start() spawns the actors"
+        return self._h
+
+    @property
+    def fleet(self) -> RolloutFleet:
+        assert self._fleet is not None, "Controller.start() spawns the rollout actors"
+        return self._fleet
 
     # ---- set-up -------------------------------------------------------------------
     def start(self) -> None:
         cluster.connect(self.c.cluster, self.c.logging.verbose)
         cluster.check_resources(*needs(self.c))
         t0 = time.perf_counter()
-        self.h = cluster.spawn(self.c, pad_id=self.tokenizer.pad_token_id)
+        self._h = cluster.spawn(self.c, pad_id=self.tokenizer.pad_token_id)
         ray.get([t.setup.remote() for t in self.h.trainers] + [r.start.remote() for r in self.h.rollouts])
-        self.plan = ray.get(self.h.trainers[0].weight_plan.remote(self.c.weights.bucket_mb))
-        world = self._open_weight_group()
+        plan = ray.get(self.h.trainers[0].weight_plan.remote(self.c.weights.bucket_mb))
+        self._fleet = RolloutFleet(self.c, self.h, plan)
+        world = self.fleet.open()
         print(f"actors ready in {time.perf_counter() - t0:.1f}s: {len(self.h.trainers)} trainer ranks, "
               f"{len(self.h.rollouts)} rollout actors, weight group of {world}", flush=True)
 
-    def _open_weight_group(self) -> int:
-        host, port = cluster.free_address(self.h.trainer_pg, 0)
-        tp = self.c.rollout.tensor_parallel_size  # engine i's workers are ranks 1 + i*tp .. i*tp + tp
-        world = 1 + len(self.h.rollouts) * tp
-        args = (cluster.backend(self.c), self.c.weights.timeout_s, self.plan)
-        ray.get([t.init_weight_group.remote(host, port, world, *args) for t in self.h.trainers]
-                + [r.init_weight_group.remote(host, port, 1 + i * tp, world, *args)
-                   for i, r in enumerate(self.h.rollouts)])
-        return world
-
     def sync(self, version: int) -> dict[str, float]:
-        self._heal()
-        refs = [t.broadcast_weights.remote() for t in self.h.trainers]
-        pulls = [r.update_weights.remote(version) for r in self.h.rollouts]
-        try:
-            out = ray.get(refs + pulls, timeout=self.c.weights.timeout_s)
-        except RayError:
-            # A lost receiver fails the broadcast; closing the sender's end releases the others,
-            # whose half-loaded engines are replaced too.
-            ray.wait(refs, num_returns=len(refs), timeout=self.c.weights.timeout_s)
-            ray.get(self.h.trainers[0].close_weight_group.remote())
-            failed = _failed(pulls, self.c.weights.timeout_s)
-            if not any(isinstance(e, RayActorError) for e in failed.values()):
-                raise  # no receiver died: the broadcast itself is broken
-            return self.replace(sorted(failed), "lost during a weight sync")
-        sent = out[0]
-        return {"sync_seconds": max(o.get("sync_seconds", o.get("load_seconds", 0.0)) for o in out),
-                "sync_gb_per_s": sent["sync_bytes"] / max(sent["sync_seconds"], 1e-9) / 1e9}
+        return self.fleet.sync(version)
 
-    # ---- rollout actor replacement ---------------------------------------------------
-    def _heal(self) -> None:
-        """Replace rollout actors whose RL loop ended early: they died (or their loop crashed)."""
-        live = [ref for ref in self.runs if ref is not None]
-        ready, _ = ray.wait(live, num_returns=len(live), timeout=0) if live else ([], [])
-        dead = [i for i, ref in enumerate(self.runs) if ref is not None and ref in ready]
-        if dead:
-            self.replace(dead, "died during RL")
+    def _wait(self, refs: list[Any], step: int) -> None:
+        """Wait until `refs` (step `step`'s batch) are ready while the fleet replaces lost actors."""
+        timeout = self.c.rl.batch_timeout_s
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.fleet.heal(self.version):
+                deadline = time.monotonic() + timeout
+            if len(ray.wait(refs, num_returns=len(refs), timeout=min(1.0, timeout))[0]) == len(refs):
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError(self._starved(step))
 
-    def _wait(self, refs: list[Any]) -> None:
-        """Wait until `refs` are ready, replacing rollout actors that die meanwhile."""
-        while len(ray.wait(refs, num_returns=len(refs), timeout=1.0)[0]) < len(refs):
-            self._heal()
-
-    def replace(self, indices: list[int], reason: str) -> dict[str, float]:
-        """Kill rollout actors `indices`, return their tickets, start new ones in their bundles,
-        re-form the weight group, load the current policy everywhere and resume their RL loops."""
-        c = self.c
-        if self.restarts + len(indices) > c.rollout.max_restarts:
-            raise RuntimeError(f"rollout actors {indices} {reason}; rollout.max_restarts={c.rollout.max_restarts} "
-                               f"replacements allowed and {self.restarts} used. Raise rollout.max_restarts, "
-                               "or resume the run from its last checkpoint.")
-        t0 = time.perf_counter()
-        print(f"rollout actors {indices} {reason}: replacing them", flush=True)
-        self.restarts += len(indices)
-        for i in indices:
-            ray.kill(self.h.rollouts[i], no_restart=True)
-            ray.get(self.h.buffer.forget.remote(i))
-            if self.runs:
-                self.runs[i] = None
-        ray.get(self.h.trainers[0].close_weight_group.remote())
-        ray.get([r.close_weight_group.remote() for i, r in enumerate(self.h.rollouts) if i not in indices])
-        for i in indices:
-            self.h.rollouts[i] = cluster.spawn_rollout(c, i, self.h.rollout_pg, self.restarts)
-        ray.get([self.h.rollouts[i].start.remote() for i in indices])
-        self._open_weight_group()
-        values = self.sync(self.version)
-        if self.runs:
-            for i in indices:
-                self.runs[i] = self.h.rollouts[i].run.remote(cluster.BufferClient(self.h.buffer, i))
-        print(f"rollout actors {indices} replaced in {time.perf_counter() - t0:.1f}s "
-              f"({self.restarts} of rollout.max_restarts={c.rollout.max_restarts} used)", flush=True)
-        return values
+    def _starved(self, step: int) -> str:
+        queued = ray.get(self.h.buffer.queued.remote(step), timeout=10)
+        needed = self.c.rl.batch_size // self.c.rollout.group_size
+        last = "; ".join(f"{name}: {err or 'none'}" for name, err in self.fleet.last_errors().items())
+        return (f"RL step {step} waited rl.batch_timeout_s={self.c.rl.batch_timeout_s:g}s for its batch: "
+                f"{queued} of {needed} groups queued; last errors: {last}. "
+                "Raise rl.batch_timeout_s if rollouts are just slow")
 
     def evaluate(self, tag: str) -> float:
         """Every environment's eval split on the rollout actors (`eval.num_samples` per example).
@@ -157,13 +121,8 @@ class Controller:
 
         e = self.c.eval
         max_tokens = e.max_tokens if isinstance(e.max_tokens, int) else self.c.rollout.max_tokens
-        refs = [r.evaluate.remote(e.num_examples, e.num_samples, e.temperature, max_tokens) for r in self.h.rollouts]
-        try:
-            outs = ray.get(refs)
-        except RayActorError:
-            self.replace(sorted(_failed(refs, None)), "died during an evaluation")
-            return self.evaluate(tag)
-        records = sorted((rec for out in outs for rec in out), key=lambda rec: (rec["env"], rec["example"]))
+        records = self.fleet.evaluate(self.version, e.num_examples, e.num_samples, e.temperature, max_tokens)
+        records.sort(key=lambda rec: (rec["env"], rec["example"]))
         with (self.run_dir / "eval_results.jsonl").open("a") as f:
             for rec in records:
                 f.write(json.dumps({"tag": tag, **rec}) + "\n")
@@ -175,7 +134,7 @@ class Controller:
             for env in envs:
                 per_env = summarize([rec for rec in records if rec["env"] == env], e.pass_k, e.pass_threshold)
                 values.update({f"{env}/{k}": v for k, v in per_env.items()})
-        self.evals = getattr(self, "evals", 0) + 1
+        self.evals += 1
         self.metrics.log("eval", self.evals - 1, values)
         self.last_eval = values
         return overall["reward_mean"]
@@ -253,7 +212,7 @@ class Controller:
         c = self.c
         first = self._rl_begin(resume)
         start = self.summary["rl_start_reward"]
-        self.runs = [r.run.remote(cluster.BufferClient(self.h.buffer, i)) for i, r in enumerate(self.h.rollouts)]
+        self.fleet.start()
         n = len(self.h.trainers)
         lags = []
         for step in range(first, c.rl.steps):
@@ -261,11 +220,12 @@ class Controller:
             batch = self.h.buffer.get_batch.options(num_returns=n).remote(step)
             batch = [batch] if n == 1 else batch  # num_returns=1 gives one ref, not a list
             # Trainer tasks wait here, not in the actors' queues: a replacement's weight sync needs them.
-            self._wait(batch)
+            self._wait(batch, step)
             outs = ray.get([t.train_step.remote(b) for t, b in zip(self.h.trainers, batch)])
-            values = {**ray.get(self.h.buffer.step_stats.remote(step)), **outs[0], "rollout_restarts": self.restarts}
+            self.version = step + 1
+            values = {**ray.get(self.h.buffer.step_stats.remote(step)), **outs[0],
+                      "rollout_restarts": self.fleet.restarts}
             if (step + 1) % c.rl.sync_every == 0:
-                self.version = step + 1
                 values.update(self.sync(self.version))
             every = c.eval.every_n_steps if isinstance(c.eval.every_n_steps, int) else c.rl.eval_every
             if every and (step + 1) % every == 0 and step + 1 < c.rl.steps:
@@ -276,10 +236,7 @@ class Controller:
             self.metrics.log("rl", step, values, c.rl.steps)
             if c.checkpoint.every and (step + 1) % c.checkpoint.every == 0 and step + 1 < c.rl.steps:
                 self.save("rl", step + 1)
-        self._heal()
-        ray.get([r.stop.remote() for r in self.h.rollouts])
-        ray.get(self.runs)
-        self.runs = []
+        self.fleet.stop(self.version)
         if c.checkpoint.every:
             self.save("rl", c.rl.steps)
         if c.checkpoint.export_hf:
@@ -302,21 +259,10 @@ class Controller:
               flush=True)
 
     def close(self) -> None:
-        if hasattr(self, "h"):
-            cluster.teardown(self.h)
+        if self._h is not None:
+            cluster.teardown(self._h)
         self.metrics.close()
         (self.run_dir / "summary.json").write_text(json.dumps(self.summary, indent=2))
-
-
-def _failed(refs: list[Any], timeout: float | None) -> dict[int, RayError]:
-    """The error of each of `refs` whose task raised (or did not finish within `timeout` s; None: wait)."""
-    failed = {}
-    for i, ref in enumerate(refs):
-        try:
-            ray.get(ref, timeout=timeout)
-        except RayError as e:
-            failed[i] = e
-    return failed
 
 
 def run(c: Config) -> dict[str, Any]:

@@ -11,21 +11,26 @@ Contract:
 - `score` gives temperature-1 logprobs of given tokens under the current weights.
 - `update_weights` freezes in-flight requests (they keep going afterwards), loads the weights
   rank 0 of the weight group broadcasts, and recomputes any KV cache made with old weights.
+- `death()` is None while the engine core process runs, and vLLM's error in one line once it
+  has died (out of memory, a CUDA fault, killed): every call fails from then on, and a
+  weight-group call in flight when it dies raises that error instead of waiting forever.
 - vllm is imported inside functions only, so `import rlray.engine` works without it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import itertools
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from rlray.weights import Bucket, plan_to_wire
 
 WORKER_EXTENSION = "rlray.weights.WorkerExtension"
+T = TypeVar("T")
 
 
 @dataclass
@@ -71,6 +76,22 @@ class Engine:
 
     def _request_id(self) -> str:
         return f"rlray-{next(self._ids)}"
+
+    def death(self) -> str | None:
+        """None while the engine core runs; once it has died, vLLM's error (EngineDeadError: ...)."""
+        if not self.llm.errored:
+            return None
+        error = self.llm.dead_error
+        return f"{type(error).__name__}: {error}"
+
+    async def _unless_dead(self, call: Awaitable[T], poll_s: float = 0.5) -> T:
+        """`call`'s result; vLLM leaves a utility call waiting forever when the core dies under it."""
+        task = asyncio.ensure_future(call)
+        while not (await asyncio.wait({task}, timeout=poll_s))[0]:
+            if self.llm.errored:
+                task.cancel()
+                raise self.llm.dead_error
+        return task.result()
 
     async def generate(self, prompt_ids: list[int], *, n: int = 1, temperature: float = 1.0,
                        max_tokens: int = 256, version: Callable[[], int] = lambda: 0,
@@ -121,7 +142,7 @@ class Engine:
         Blocks until rank 0 (the trainer) and every other rank have joined. Returns the ranks.
         """
         args = (host, port, rank, world_size, backend, timeout_s, plan_to_wire(plan))
-        return await self.llm.collective_rpc("rlray_init_weight_group", args=args)
+        return await self._unless_dead(self.llm.collective_rpc("rlray_init_weight_group", args=args))
 
     async def update_weights(self, on_loaded: Callable[[], None] | None = None,
                              version: int | None = None) -> float:
@@ -134,21 +155,22 @@ class Engine:
         Returns the seconds the engine was paused.
         """
         start = time.perf_counter()
-        await self.llm.pause_generation(mode="keep", clear_cache=False)
+        await self._unless_dead(self.llm.pause_generation(mode="keep", clear_cache=False))
         try:
-            await self.llm.collective_rpc("rlray_receive_weights")
+            await self._unless_dead(self.llm.collective_rpc("rlray_receive_weights"))
             # KV computed with the old weights must not be reused: running requests are recomputed.
-            await self.llm.reset_prefix_cache(reset_running_requests=True)
+            await self._unless_dead(self.llm.reset_prefix_cache(reset_running_requests=True))
             if version is not None:
-                await self.llm.update_weight_version(str(version))
+                await self._unless_dead(self.llm.update_weight_version(str(version)))
             if on_loaded is not None:
                 on_loaded()
         finally:
-            await self.llm.resume_generation()
+            if not self.llm.errored:
+                await self._unless_dead(self.llm.resume_generation())
         return time.perf_counter() - start
 
     async def close_weight_group(self) -> None:
-        await self.llm.collective_rpc("rlray_close_weight_group")
+        await self._unless_dead(self.llm.collective_rpc("rlray_close_weight_group"))
 
     async def shutdown(self) -> None:
         """Stop the engine and its processes (blocks for a few seconds)."""

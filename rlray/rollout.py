@@ -12,14 +12,18 @@ Contract:
   that produced it. `buffer` is any object whose `reserve`/`put`/`cancel` return awaitables
   (the BufferActor itself in tests, its Ray handle through cluster.py's adapter in a run).
   A failing rollout is a rollout with reward 0 and an error (rlray.envs.runner); only a
-  failing engine costs the group (its ticket goes back).
+  failing engine costs the group (its ticket goes back). The loop ends by raising `EngineFailed`
+  once the engine has died (`Engine.death()`) or failed `rollout.max_failed_groups` groups in a row.
 - `init_weight_group(...)` joins the weight broadcast group, `close_weight_group()` leaves
   it (the group is re-formed when a rollout actor is replaced); `update_weights(version)`
   pauses generation (in-flight requests are kept), loads the broadcast weights, labels them
   with `version`, clears the prefix cache and resumes with the new version.
 - `evaluate(num_examples, num_samples, temperature, max_tokens)` runs this actor's share
   (examples i, i+A, ... of each environment's eval split) and returns per-example records.
-- `stats()` returns counters: groups, tokens, rollouts by path, errors by kind.
+- `update_weights`, `evaluate` and `score` on a dead engine raise `EngineFailed` too (an
+  evaluation over HTTP would otherwise return every sample as a reward-0 error).
+- `stats()` returns counters: groups, tokens, rollouts by path, errors by kind, the last error
+  and why the engine can serve no more (`failure`, None while it can); `pid()` the actor's process id.
 """
 
 from __future__ import annotations
@@ -27,13 +31,24 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from typing import Any
+from collections.abc import Awaitable
+from typing import Any, TypeVar
 
 from rlray.config import EnvConfig, ModelConfig, RolloutConfig
 from rlray.envs import load_envs
 from rlray.envs.base import Env
 from rlray.models.tiny import model_path
 from rlray.types import Group
+
+T = TypeVar("T")
+
+
+class EngineFailed(RuntimeError):
+    """This actor's engine can serve no more; the message says why in one line ("its vLLM engine ...")."""
+
+
+def _line(error: BaseException) -> str:
+    return " ".join(f"{type(error).__name__}: {error}".split())
 
 
 def resolve_chat_template(cfg: EnvConfig, tokenizer: Any) -> str:
@@ -54,6 +69,8 @@ class RolloutActor:
         self.version = 0
         self._stop = asyncio.Event()
         self.last_error: str | None = None
+        self.failed_in_a_row = 0  # groups the engine failed since its last good one
+        self.failure: str | None = None  # why the engine can serve no more, once it cannot
         self.stats_ = {"groups": 0, "completion_tokens": 0, "errors": 0, "gen_seconds": 0.0}
 
     async def start(self) -> dict[str, Any]:
@@ -95,28 +112,52 @@ class RolloutActor:
         """The OpenAI base URL (`.../v1`) of this actor's engine; the served model is named `rlray`."""
         return self.server.url
 
-    async def _produce(self, buffer: Any, env: Env, row: dict, slots: asyncio.Semaphore) -> None:
+    def _check_engine(self) -> str | None:
+        """Why the engine can serve no more (sticky), or None."""
+        death = self.engine.death()
+        if self.failure is None and death is not None:
+            self.failure = f"its vLLM engine died ({death})"
+        elif self.failure is None and self.failed_in_a_row >= self.cfg.max_failed_groups:
+            self.failure = (f"its vLLM engine failed {self.failed_in_a_row} groups in a row "
+                            f"(rollout.max_failed_groups={self.cfg.max_failed_groups}; last: {self.last_error})")
+        return self.failure
+
+    async def _group(self, env: Env, row: dict) -> Group | None:
+        """One group of `row`, or None when the engine failed it."""
+        t0 = time.perf_counter()
         try:
-            t0 = time.perf_counter()
             rollouts = await self.runner.group(env, row, self.cfg.group_size, self.cfg.temperature,
                                                self.cfg.max_tokens)
-            self.stats_["gen_seconds"] += time.perf_counter() - t0
-            self.stats_["groups"] += 1
-            self.stats_["completion_tokens"] += sum(len(r.completion_ids) for r in rollouts)
-            await buffer.put([Group(rollouts)])
         except asyncio.CancelledError:
             raise
-        except Exception as e:  # the engine failed: the ticket goes back so the trainer is not starved
+        except Exception as e:
             self.stats_["errors"] += 1
-            self.last_error = f"{type(e).__name__}: {e}"
-            await buffer.cancel(1)
+            self.last_error = _line(e)
+            self.failed_in_a_row += 1
+            return None
+        if self.engine.death() is not None:  # over HTTP a dead engine's rollouts are reward-0 errors
+            return None
+        self.failed_in_a_row = 0
+        self.stats_["gen_seconds"] += time.perf_counter() - t0
+        self.stats_["groups"] += 1
+        self.stats_["completion_tokens"] += sum(len(r.completion_ids) for r in rollouts)
+        return Group(rollouts)
+
+    async def _produce(self, buffer: Any, env: Env, row: dict, slots: asyncio.Semaphore) -> None:
+        try:
+            group = await self._group(env, row)
+            if group is not None:
+                await buffer.put([group])
+            else:  # the ticket goes back so that the trainer is not starved
+                await buffer.cancel(1)
         finally:
             slots.release()
 
     async def run(self, buffer: Any) -> dict[str, Any]:
+        """Produce groups until `stop()`; raises EngineFailed when the engine can serve no more."""
         slots = asyncio.Semaphore(self.cfg.max_concurrent_groups)
         tasks: set[asyncio.Task] = set()
-        while not self._stop.is_set():
+        while not self._stop.is_set() and self._check_engine() is None:
             await slots.acquire()
             granted = await buffer.reserve(self.version, 1)
             if not granted:
@@ -129,6 +170,8 @@ class RolloutActor:
             task.add_done_callback(tasks.discard)
         for t in list(tasks):
             t.cancel()
+        if self.failure is not None:
+            raise EngineFailed(self.failure)
         return await self.stats()
 
     async def stop(self) -> None:
@@ -136,7 +179,25 @@ class RolloutActor:
 
     async def stats(self) -> dict[str, Any]:
         return {**self.stats_, **{f"env/{k}": v for k, v in self.runner.counts.items()},
-                "last_error": self.last_error}
+                "last_error": self.last_error, "failure": self.failure}
+
+    async def pid(self) -> int:
+        return os.getpid()
+
+    async def _serving(self, call: Awaitable[T]) -> T:
+        """`call`'s result, or EngineFailed when the engine died before or under it."""
+        try:
+            result = await call
+        except Exception as e:
+            self._raise_if_dead(e)
+            raise
+        self._raise_if_dead(None)
+        return result
+
+    def _raise_if_dead(self, error: Exception | None) -> None:
+        death = self.engine.death()
+        if death is not None:
+            raise EngineFailed(f"its vLLM engine died ({death})") from error
 
     async def init_weight_group(self, host: str, port: int, rank: int, world_size: int, backend: str,
                                 timeout_s: float, plan: list) -> None:
@@ -146,8 +207,8 @@ class RolloutActor:
         await self.engine.close_weight_group()
 
     async def update_weights(self, version: int) -> dict[str, float]:
-        seconds = await self.engine.update_weights(on_loaded=lambda: setattr(self, "version", version),
-                                                   version=version)
+        seconds = await self._serving(self.engine.update_weights(
+            on_loaded=lambda: setattr(self, "version", version), version=version))
         return {"load_seconds": seconds}
 
     async def evaluate(self, num_examples: int, num_samples: int = 1, temperature: float = 0.0,
@@ -160,10 +221,10 @@ class RolloutActor:
             n = min(num_examples, env.num_examples("eval"))
             indices = list(range(self.index, n, self.num_actors))
             jobs.append(self.runner.evaluate(env, indices, num_samples, temperature, max_tokens))
-        return [rec for recs in await asyncio.gather(*jobs) for rec in recs]
+        return [rec for recs in await self._serving(asyncio.gather(*jobs)) for rec in recs]
 
     async def score(self, token_ids: list[int], start: int) -> list[float]:
-        return await self.engine.score(token_ids, start)
+        return await self._serving(self.engine.score(token_ids, start))
 
     async def shutdown(self) -> None:
         if getattr(self, "server", None) is not None:
