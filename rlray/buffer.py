@@ -1,19 +1,21 @@
 """BufferActor: groups in, per-rank micro-batches out, with a bounded staleness.
 
 Contract:
-- `reserve(version, want, actor)` grants rollout actor `actor` up to `want` group tickets.
+- `reserve(version, want, actor)` grants rollout actor `actor` up to `want` group tickets,
+  numbered 0, 1, 2, ...: ticket n names the prompt of its group (`EnvRunner.train_row`), so the
+  prompt stream is a function of the ticket numbers.
   With G groups per step and bound k = max_off_policy_steps, a rollout at policy version v
   may have started at most G*(v+k+1) groups in all, plus one for every group that
   was dropped; so rollouts never run further ahead than the trainer can use.
 - `put(groups, actor)` computes per-group advantages over each group's valid rollouts,
   drops (counts, returns the ticket of) groups with fewer than 2 valid rollouts and
   zero-advantage groups when `filter_zero_advantage` is on, and queues the rest.
-  `cancel(n, actor)` returns tickets of groups that were not produced; `forget(actor)`
+  `cancel(tickets, actor)` returns tickets of groups that were not produced; `forget(actor)`
   returns every ticket a dead actor still held.
 - A rollout sampled under biasing args (`Rollout.biased`) goes to the trainer with NaN
   inference logprobs: mu unknown, the trainer takes its own batch-start policy instead.
 - `get_batch(step)` waits until G fresh groups are queued, drops (and counts) groups
-  older than `step - k`, and returns one list of packed micro-batches per trainer rank
+  older than `step - k`, takes the G with the lowest tickets, and returns one list of packed micro-batches per trainer rank
   (with one rank, that rank's list itself: what Ray's `num_returns=1` hands the trainer).
   With `algo.mini_batches` = M, the batch's sequences are cut into M consecutive equal
   shares, each packed on its own and labelled `MicroBatch.mini_batch` (one optimizer step each).
@@ -21,7 +23,10 @@ Contract:
 - `step_stats(step)` returns the rewards, lags and drop counts of that batch, the rollout
   errors so far, in all and by kind (`errors/<Kind>`), and `rollout_tokens_per_s`: completion
   tokens the rollout actors delivered (kept or dropped) per wall second since the last batch.
-- `state()` / `load_state()` round-trip the counters for resume.
+- `state()` / `load_state()` round-trip the counters and the lowest ticket not trained on:
+  a resumed run grants tickets from there, so the groups in flight at the checkpoint are
+  generated again for the same prompts (with `async.max_off_policy_steps=0` and no dropped
+  groups, every step trains on the same prompts as an uninterrupted run).
 Methods are coroutines so one actor serves puts while a get_batch waits.
 """
 
@@ -57,37 +62,42 @@ class BufferActor:
         self.queue: deque[Group] = deque()
         self.issued = 0
         self.released = 0
-        self.held: dict[int, int] = {}  # tickets granted to each rollout actor and not yet put or cancelled
-        self.counts = {"stale_dropped": 0, "zero_adv_dropped": 0, "invalid_groups_dropped": 0, "groups_in": 0, "biased_rollouts": 0,
-                       "rollout_errors": 0}
+        self.next_ticket = 0  # the number of the next ticket granted: it names the group's prompt
+        self.consumed: set[int] = set()  # tickets trained on, at or above `unconsumed`
+        self.unconsumed = 0  # the lowest ticket not trained on yet: a resume starts granting here
+        self.held: dict[int, set[int]] = {}  # tickets granted to each rollout actor, not yet put or cancelled
+        self.counts = {"stale_dropped": 0, "zero_adv_dropped": 0, "invalid_groups_dropped": 0, "groups_in": 0,
+                       "biased_rollouts": 0, "rollout_errors": 0}
         self._stats: dict[int, dict[str, Any]] = {}
         self.generated_tokens = 0  # completion tokens of every group put, dropped ones too
         self._rate_mark: tuple[float, int] | None = None  # (time, generated_tokens) at the last batch
         self._ready = asyncio.Condition()
 
-    async def reserve(self, version: int, want: int, actor: int = 0) -> int:
+    async def reserve(self, version: int, want: int, actor: int = 0) -> list[int]:
+        """Up to `want` ticket numbers; each names the prompt of the group it is produced for."""
         allowed = self.G * (version + self.k + 1) + self.released - self.issued
-        granted = max(0, min(want, allowed))
-        self.issued += granted
-        self.held[actor] = self.held.get(actor, 0) + granted
+        granted = list(range(self.next_ticket, self.next_ticket + max(0, min(want, allowed))))
+        self.issued += len(granted)
+        self.next_ticket += len(granted)
+        self.held.setdefault(actor, set()).update(granted)
         return granted
 
-    def _settle(self, actor: int, n: int) -> None:
-        self.held[actor] = max(0, self.held.get(actor, 0) - n)
+    def _settle(self, actor: int, tickets: list[int]) -> None:
+        self.held.get(actor, set()).difference_update(tickets)
 
-    async def cancel(self, n: int, actor: int = 0) -> None:
+    async def cancel(self, tickets: list[int], actor: int = 0) -> None:
         """Return tickets of groups that a rollout actor failed to produce."""
-        self._settle(actor, n)
-        self.released += n
+        self._settle(actor, tickets)
+        self.released += len(tickets)
 
     async def forget(self, actor: int) -> int:
         """Return the tickets a dead rollout actor held; its replacement starts with none."""
-        lost = self.held.pop(actor, 0)
+        lost = len(self.held.pop(actor, set()))
         self.released += lost
         return lost
 
     async def put(self, groups: list[Group], actor: int = 0) -> None:
-        self._settle(actor, len(groups))
+        self._settle(actor, [g.ticket for g in groups])
         async with self._ready:
             for g in groups:
                 self.counts["groups_in"] += 1
@@ -101,22 +111,26 @@ class BufferActor:
                         kind = f"errors/{error_kind(r.error)}"
                         self.counts[kind] = self.counts.get(kind, 0) + 1
                 if valid(g).sum() < 2:  # no baseline to compare with
-                    self.counts["invalid_groups_dropped"] += 1
-                    self.released += 1
+                    self._drop(g, "invalid_groups_dropped")
                     continue
                 g.advantages = compute_advantages(g, self.algo)  # with DAPO's overlong penalty if set
                 if self.algo.filter_zero_advantage and np.ptp(g.rewards[valid(g)]) == 0:  # DAPO: on raw rewards
-                    self.counts["zero_adv_dropped"] += 1
-                    self.released += 1
+                    self._drop(g, "zero_adv_dropped")
                     continue
                 self.queue.append(g)
             self._ready.notify_all()
 
+    def _drop(self, g: Group, counter: str) -> None:
+        """A group that will not be trained on: counted, its ticket granted again, its prompt done."""
+        self.counts[counter] += 1
+        self.released += 1
+        self._consume([g.ticket])
+
     def _drop_stale(self, step: int) -> None:
         fresh = [g for g in self.queue if step - g.version <= self.k]
-        dropped = len(self.queue) - len(fresh)
-        self.counts["stale_dropped"] += dropped
-        self.released += dropped
+        for g in self.queue:
+            if step - g.version > self.k:
+                self._drop(g, "stale_dropped")
         self.queue = deque(fresh)
 
     async def get_batch(self, step: int) -> list[list[MicroBatch]] | list[MicroBatch]:
@@ -126,7 +140,9 @@ class BufferActor:
                 if len(self.queue) >= self.G:
                     break
                 await self._ready.wait()
-            groups = [self.queue.popleft() for _ in range(self.G)]
+            ordered = sorted(self.queue, key=lambda g: g.ticket)  # the lowest tickets first: resumable
+            groups, self.queue = ordered[:self.G], deque(ordered[self.G:])
+            self._consume([g.ticket for g in groups])
         self._stats[step] = self._batch_stats(step, groups)
         per_rank = self._pack(self._samples(groups, step))
         return per_rank if self.num_ranks > 1 else per_rank[0]
@@ -162,6 +178,7 @@ class BufferActor:
         self._rate_mark = (now, self.generated_tokens)
         return {
             "rollout_tokens_per_s": (self.generated_tokens - generated) / max(now - since, 1e-9),
+            "prompts": [f"{g.rollouts[0].env_id}:{g.rollouts[0].example_id}" for g in groups],  # in ticket order
             "reward_mean": float(rewards.mean()),
             "reward_std": float(rewards.std()),
             "lag_mean": float(lags.mean()),
@@ -177,13 +194,22 @@ class BufferActor:
     async def queued(self, step: int) -> int:
         return sum(step - g.version <= self.k for g in self.queue)
 
+    def _consume(self, tickets: list[int]) -> None:
+        self.consumed.update(tickets)
+        while self.unconsumed in self.consumed:
+            self.consumed.discard(self.unconsumed)
+            self.unconsumed += 1
+
     async def step_stats(self, step: int) -> dict[str, Any]:
         return self._stats.pop(step, {})
 
     async def state(self) -> dict[str, Any]:
-        return {"counts": dict(self.counts)}
+        return {"counts": dict(self.counts), "unconsumed": self.unconsumed}
 
     async def load_state(self, state: dict[str, Any]) -> None:
-        """Counters from `state()`; tickets restart as if steps before `state["step"]` were consumed."""
+        """Counters from `state()`; tickets restart as if steps before `state["step"]` were consumed,
+        numbered from the lowest ticket not trained on, so groups in flight get their prompts again."""
         self.counts.update(state["counts"])
         self.issued, self.released, self.held = self.G * state.get("step", 0), 0, {}
+        self.next_ticket = self.unconsumed = state.get("unconsumed", self.G * state.get("step", 0))
+        self.consumed = set()

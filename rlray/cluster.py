@@ -1,8 +1,9 @@
 """The only module that knows Ray resources: connect, placement groups, spawn actors.
 
 Contract: `connect(cfg, verbose)` joins `cluster.address` / `RAY_ADDRESS` or starts a local Ray
-(dashboard on loopback, logical CPUs declared so fractional bundles fit; vLLM's INFO logs only
-when `verbose`).
+(dashboard on loopback, logical CPUs declared so fractional bundles fit; the actors' output on
+the console only when `verbose`, always in Ray's session logs; `collect_logs(dest)` copies this
+job's worker logs on this node into the run folder).
 `check_resources(gpus, cpus)` compares a plan with the connected cluster.
 `spawn(config)` creates one placement group for the trainer ranks and one for the
 rollout actors (bundle sizes from the config), then the named actors `trainer-i`,
@@ -14,6 +15,7 @@ actor in its bundle. `free_address(pg, bundle)` returns
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,24 +34,37 @@ REPO = str(Path(__file__).resolve().parent.parent)
 
 
 def connect(cfg: ClusterConfig, verbose: bool = False) -> None:
-    """Join or start Ray; unless `verbose`, the actors' vLLM engines log warnings and errors only."""
+    """Join or start Ray. The actors' output (vLLM's INFO lines included) goes to Ray's session
+    logs (`collect_logs` copies them into the run folder); with `verbose` to the console too."""
     if ray.is_initialized():
         return
     env_vars = {"PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])),
                 "TOKENIZERS_PARALLELISM": "false"}
-    if not verbose:  # vLLM logs four INFO lines per weight sync (pause, reload, cache reset, resume)
-        env_vars["VLLM_LOGGING_LEVEL"] = os.environ.get("VLLM_LOGGING_LEVEL", "WARNING")
     env = {"env_vars": env_vars}
     address = cfg.address or os.environ.get("RAY_ADDRESS")
     if address:
-        ray.init(address=address, runtime_env=env, log_to_driver=True)
+        ray.init(address=address, runtime_env=env, log_to_driver=verbose)
         return
     import torch
 
     gpus = torch.cuda.device_count() if cfg.num_gpus is None else cfg.num_gpus  # checked <= torch's by rlray.plan
     ray.init(address="local", num_cpus=cfg.num_cpus, num_gpus=gpus, include_dashboard=True,
              dashboard_host=cfg.dashboard_host, _node_ip_address="127.0.0.1", runtime_env=env,
-             log_to_driver=True)
+             log_to_driver=verbose)
+
+
+SESSION_LOGS = Path("/tmp/ray/session_latest/logs")  # Ray's documented place for this node's session
+
+
+def collect_logs(dest: Path) -> int:
+    """Copy this job's worker logs (every actor's stdout and stderr) on this node into `dest`;
+    returns how many files. Actors on other nodes keep theirs in those nodes' session logs."""
+    job = ray.get_runtime_context().get_job_id()
+    files = sorted(SESSION_LOGS.glob(f"worker-*-{job}-*.*")) if SESSION_LOGS.is_dir() else []
+    dest.mkdir(parents=True, exist_ok=True)
+    for f in files:
+        shutil.copyfile(f, dest / f.name)
+    return len(files)
 
 
 def check_resources(gpus: float, cpus: float) -> str:
@@ -89,8 +104,8 @@ class BufferClient:
     def put(self, groups: list) -> Any:
         return self.handle.put.remote(groups, self.actor)
 
-    def cancel(self, n: int) -> Any:
-        return self.handle.cancel.remote(n, self.actor)
+    def cancel(self, tickets: list[int]) -> Any:
+        return self.handle.cancel.remote(tickets, self.actor)
 
 
 @dataclass
@@ -152,7 +167,7 @@ def spawn_rollout(c: Config, index: int, pg: PlacementGroup, incarnation: int = 
     return ray.remote(RolloutActor).options(
         name=rollout_name(index, incarnation), num_cpus=r.cpus_per_actor, num_gpus=r.gpus_per_actor, max_concurrency=1000,
         scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=index),
-    ).remote(index, r.num_actors, c.model, r, c.env, c.run.seed + 1000 * incarnation)
+    ).remote(index, r.num_actors, c.model, r, c.env, c.run.seed + 1000 * incarnation, c.run.seed)
 
 
 def teardown(h: Handles) -> None:

@@ -222,6 +222,9 @@ class EnvConfig:
     allow_biased_sampling: bool = False
 
     def __post_init__(self) -> None:
+        t = self.chat_template
+        if t and "{{" not in t and "{%" not in t and not Path(t).is_file():
+            raise ConfigError(f"env.chat_template='{t}': no such file; give a Jinja template file or its text")
         if self.rollout_timeout_s <= 0 or self.tool_timeout_s <= 0:
             raise ConfigError("env.rollout_timeout_s and env.tool_timeout_s must be > 0")
         for spec in self.mix:

@@ -24,19 +24,19 @@ import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import ray
 import yaml
 
 from rlray import checkpoint, cluster
 from rlray.config import Config
-from rlray.data.packing import Sample, pack
-from rlray.data.tokenizer import encode_prompt
-from rlray.envs import load_env
+from rlray.data.packing import pack
+from rlray.envs import load_envs
+from rlray.envs.sft import SFTData
 from rlray.fleet import RolloutFleet
 from rlray.metrics import Metrics
 from rlray.models.tiny import model_path
 from rlray.plan import needs
+from rlray.rollout import resolve_chat_template
 
 
 def _config_dict(c: Config) -> dict[str, Any]:
@@ -54,7 +54,8 @@ class Controller:
         from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(model_path(c.model))
-        self.env = load_env(c.env.id, c.env.args, c.env.python_path)
+        self.sft_data = SFTData(load_envs(c.env), self.tokenizer, resolve_chat_template(c.env, self.tokenizer),
+                                c.run.seed)
         self.metrics = Metrics(self.run_dir, c.logging, _config_dict(c))
         self.summary: dict[str, Any] = {"run_dir": str(self.run_dir)}
         self.ckpt_root = self.run_dir / "checkpoints"
@@ -141,14 +142,7 @@ class Controller:
 
     # ---- stages -------------------------------------------------------------------
     def _sft_batch(self, step: int) -> list[list]:
-        n = self.c.sft.batch_size
-        eos = self.tokenizer.eos_token_id
-        samples = []
-        for i in range(step * n, (step + 1) * n):
-            ex = self.env.example("train", i)
-            answer = list(self.tokenizer(ex.answer, add_special_tokens=False)["input_ids"]) + [eos]
-            samples.append(Sample(np.asarray(encode_prompt(self.tokenizer, ex.prompt)), np.asarray(answer),
-                                  np.ones(len(answer), np.float32), 0.0, np.zeros(len(answer), np.float32)))
+        samples = self.sft_data.batch(step, self.c.sft.batch_size)
         return pack(samples, len(self.h.trainers), self.c.trainer.micro_batch_tokens, self.tokenizer.pad_token_id)
 
     def sft(self) -> None:
@@ -176,9 +170,9 @@ class Controller:
         """Commit a checkpoint from which `stage` resumes at `step`."""
         t0 = time.perf_counter()
         tmp = checkpoint.staging(self.ckpt_root, stage, step)
-        ray.get([t.save.remote(str(tmp)) for t in self.h.trainers])
+        digest = ray.get([t.save.remote(str(tmp)) for t in self.h.trainers])[0]
         meta = {"stage": stage, "step": step, "version": self.version, "saved_at": time.time(),
-                "buffer": ray.get(self.h.buffer.state.remote()), "summary": self.summary}
+                "buffer": ray.get(self.h.buffer.state.remote()), "summary": self.summary, "weights": digest}
         path = checkpoint.commit(tmp, meta, self.c.checkpoint.keep)
         print(f"checkpoint {path} ({time.perf_counter() - t0:.1f}s)", flush=True)
 
@@ -201,8 +195,12 @@ class Controller:
             if self.c.checkpoint.every:
                 self.save("rl", 0)
             return 0
-        ray.get([t.load.remote(resume["path"]) for t in self.h.trainers])
+        digest = ray.get([t.load.remote(resume["path"]) for t in self.h.trainers])[0]
+        if digest != resume.get("weights", digest):
+            raise RuntimeError(f"checkpoint {resume['path']}: the loaded weights (sha {digest}) are not the ones "
+                               f"saved (sha {resume['weights']}); resume from an earlier checkpoint")
         self.summary.update(resume["summary"])
+        self.summary["resumed_weights"] = digest
         self.version = resume["version"]
         ray.get(self.h.buffer.load_state.remote({**resume["buffer"], "step": resume["step"]}))
         self.sync(self.version)
@@ -231,7 +229,7 @@ class Controller:
             if every and (step + 1) % every == 0 and step + 1 < c.rl.steps:
                 values["eval_reward"] = self.evaluate(f"rl-{step + 1}")
             values["step_seconds"] = time.perf_counter() - t0
-            values["tokens_per_s"] = values.get("completion_tokens", 0) / values["step_seconds"]
+            values["train_tokens_per_s"] = values.get("completion_tokens", 0) / values["step_seconds"]
             lags.append(values.get("lag_mean", 0.0))
             self.metrics.log("rl", step, values, c.rl.steps)
             if c.checkpoint.every and (step + 1) % c.checkpoint.every == 0 and step + 1 < c.rl.steps:
@@ -261,6 +259,7 @@ class Controller:
     def close(self) -> None:
         if self._h is not None:
             cluster.teardown(self._h)
+            cluster.collect_logs(self.run_dir / "logs")
         self.metrics.close()
         (self.run_dir / "summary.json").write_text(json.dumps(self.summary, indent=2))
 

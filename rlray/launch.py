@@ -5,7 +5,9 @@ validates the result into a typed `Config` and its plan (rlray.plan: mesh, engin
 per GPU), exiting 1 with one line naming the bad key or the shortfall, before Ray starts.
 `dry_run=true` prints the plan (checked against the cluster's resources when connected to
 one) and exits. Otherwise the plan goes to the run folder (`plan.txt`) and the controller
-runs. Works from any working directory and under `ray job submit`.
+runs; a run that cannot go on (a rollout actor lost past `rollout.max_restarts`, a starved
+step, non-finite steps in a row) exits 1 with one line, its traceback in `error.log`.
+Works from any working directory and under `ray job submit`.
 """
 
 from __future__ import annotations
@@ -83,7 +85,22 @@ def main(cfg: DictConfig) -> None:
     print(config.algo.preset_line(), flush=True)
     from rlray.controller import run
 
-    run(config)
+    try:
+        run(config)
+    except (RuntimeError, TimeoutError) as e:  # a run that cannot go on: rlray's own one-line reasons
+        _stopped(e, run_dir)
+
+
+def _stopped(error: BaseException, run_dir: Path) -> None:
+    """One line on the console (the actor's own error for a failed task); the traceback to error.log."""
+    import traceback
+
+    cause = getattr(error, "cause", None)  # ray's RayTaskError carries the actor's exception
+    reason = cause if isinstance(cause, BaseException) else error
+    (run_dir / "error.log").write_text("".join(traceback.format_exception(error)))
+    first = str(reason).strip().splitlines()[0] if str(reason).strip() else type(reason).__name__
+    print(f"run stopped: {first} (traceback: {run_dir / 'error.log'})", file=sys.stderr)
+    sys.exit(1)
 
 
 if __name__ == "__main__":

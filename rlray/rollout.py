@@ -6,8 +6,9 @@ Contract:
   own OpenAI server on `env.server_host` (rlray.server; `endpoint()` returns its base URL) and
   loads the environments of `env` (id or weighted mix, rlray.envs) into an `EnvRunner`.
 - `run(buffer)` loops until `stop()`: reserves group tickets from the buffer (which
-  bounds how far ahead of the trainer rollouts may run), draws an environment and its next
-  row, runs `group_size` rollouts of it (verifiers over HTTP, or the direct fast path for
+  bounds how far ahead of the trainer rollouts may run), takes each ticket's environment,
+  row and sampling seed (`EnvRunner.train_row`, a function of the ticket), runs `group_size`
+  rollouts of it (verifiers over HTTP, or the direct fast path for
   plain single-turn envs) and `put`s each Group, every token tagged with the policy version
   that produced it. `buffer` is any object whose `reserve`/`put`/`cancel` return awaitables
   (the BufferActor itself in tests, its Ray handle through cluster.py's adapter in a run).
@@ -36,7 +37,6 @@ from typing import Any, TypeVar
 
 from rlray.config import EnvConfig, ModelConfig, RolloutConfig
 from rlray.envs import load_envs
-from rlray.envs.base import Env
 from rlray.models.tiny import model_path
 from rlray.types import Group
 
@@ -63,8 +63,8 @@ def resolve_chat_template(cfg: EnvConfig, tokenizer: Any) -> str:
 
 class RolloutActor:
     def __init__(self, index: int, num_actors: int, model: ModelConfig, rollout: RolloutConfig,
-                 env: EnvConfig, seed: int) -> None:
-        self.index, self.num_actors = index, num_actors
+                 env: EnvConfig, seed: int, run_seed: int = 0) -> None:
+        self.index, self.num_actors, self.run_seed = index, num_actors, run_seed
         self.model_cfg, self.cfg, self.env_cfg, self.seed = model, rollout, env, seed
         self.version = 0
         self._stop = asyncio.Event()
@@ -96,7 +96,7 @@ class RolloutActor:
         self.clients = make_clients(self.server.url, self.env_cfg.rollout_timeout_s)
         self.runner = EnvRunner(envs, self.engine, self.tokenizer, self.clients, self.env_cfg,
                                 version=lambda: self.version, server=self.server, chat_template=template,
-                                index=self.index, num_actors=self.num_actors, seed=self.seed)
+                                index=self.index, num_actors=self.num_actors, run_seed=self.run_seed)
         return {"index": self.index, "model": path, "endpoint": self.server.url}
 
     def _engine_kwargs(self) -> dict[str, Any]:
@@ -122,12 +122,13 @@ class RolloutActor:
                             f"(rollout.max_failed_groups={self.cfg.max_failed_groups}; last: {self.last_error})")
         return self.failure
 
-    async def _group(self, env: Env, row: dict) -> Group | None:
-        """One group of `row`, or None when the engine failed it."""
+    async def _group(self, ticket: int) -> Group | None:
+        """The group of buffer ticket `ticket` (its prompt and sampling seed), or None when the engine failed it."""
         t0 = time.perf_counter()
+        env, row = self.runner.train_row(ticket)
         try:
             rollouts = await self.runner.group(env, row, self.cfg.group_size, self.cfg.temperature,
-                                               self.cfg.max_tokens)
+                                               self.cfg.max_tokens, seed=self.runner.group_seed(ticket))
         except asyncio.CancelledError:
             raise
         except Exception as e:
@@ -141,15 +142,15 @@ class RolloutActor:
         self.stats_["gen_seconds"] += time.perf_counter() - t0
         self.stats_["groups"] += 1
         self.stats_["completion_tokens"] += sum(len(r.completion_ids) for r in rollouts)
-        return Group(rollouts)
+        return Group(rollouts, ticket=ticket)
 
-    async def _produce(self, buffer: Any, env: Env, row: dict, slots: asyncio.Semaphore) -> None:
+    async def _produce(self, buffer: Any, ticket: int, slots: asyncio.Semaphore) -> None:
         try:
-            group = await self._group(env, row)
+            group = await self._group(ticket)
             if group is not None:
                 await buffer.put([group])
             else:  # the ticket goes back so that the trainer is not starved
-                await buffer.cancel(1)
+                await buffer.cancel([ticket])
         finally:
             slots.release()
 
@@ -164,8 +165,7 @@ class RolloutActor:
                 slots.release()
                 await asyncio.sleep(0.02)
                 continue
-            env, row = self.runner.next_train()
-            task = asyncio.create_task(self._produce(buffer, env, row, slots))
+            task = asyncio.create_task(self._produce(buffer, granted[0], slots))
             tasks.add(task)
             task.add_done_callback(tasks.discard)
         for t in list(tasks):

@@ -21,8 +21,10 @@ Contract:
   serves (`wire_dtype`, the rollout dtype); rank 0 streams them, bucketed, to the workers.
   `close_weight_group()` leaves the group (to re-form it after a rollout actor is replaced).
 - `logprobs(token_ids, start)` scores a sequence (for checks and tests).
-- `save(dir)` / `load(dir)`: model and optimizer through torch.distributed.checkpoint
-  (every rank writes its shards); `export_hf(dir)`: rank 0 writes a transformers folder.
+- `save(dir)` / `load(dir)`: model, optimizer, scheduler and the KL reference through
+  torch.distributed.checkpoint (every rank writes its shards) plus each rank's torch, numpy
+  and Python RNG states; both return `weights_digest()`, a sha256 of the weights bit for bit.
+  `export_hf(dir)`: rank 0 writes a transformers folder.
 """
 
 from __future__ import annotations
@@ -192,11 +194,7 @@ class TrainerActor:
 
     @torch.no_grad()
     def _reference_logprobs(self, t: dict[str, torch.Tensor]) -> torch.Tensor:
-        assert self.ref_model is not None
-        if not self.ref_ready:  # same FSDP layout, so each rank copies its own shards
-            for r, p in zip(self.ref_model.parameters(), self.model.parameters()):
-                r.data.copy_(p.data)
-            self.ref_ready = True
+        self._snapshot_reference()  # same FSDP layout, so each rank copies its own shards
         logits = self.ref_model(input_ids=t["input_ids"], attention_mask=t["attention_mask"],
                                 use_cache=False).logits.float()
         if self.temperature > 0:
@@ -258,26 +256,68 @@ class TrainerActor:
         return logp[0, start:].tolist()
 
     def _state(self) -> dict[str, Any]:
-        from torch.distributed.checkpoint.state_dict import get_state_dict
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
         model, optim = get_state_dict(self.model, self.optimizer)
-        return {"model": model, "optim": optim, "scheduler": self.scheduler.state_dict()}
+        state = {"model": model, "optim": optim, "scheduler": self.scheduler.state_dict()}
+        if self.ref_model is not None:
+            self._snapshot_reference()
+            state["ref"] = get_model_state_dict(self.ref_model)
+        return state
 
-    def save(self, path: str) -> None:
+    def _snapshot_reference(self) -> None:
+        """The KL reference is the policy at the first RL step: copied (shard by shard) once."""
+        assert self.ref_model is not None
+        if not self.ref_ready:
+            for r, p in zip(self.ref_model.parameters(), self.model.parameters()):
+                r.data.copy_(p.data)
+            self.ref_ready = True
+
+    def save(self, path: str) -> str:
+        """Model, optimizer, scheduler, KL reference (DCP) and this rank's RNG states; returns
+        `weights_digest()` of what was saved."""
+        import random
+
         import torch.distributed.checkpoint as dcp
 
         dcp.save(self._state(), checkpoint_id=path)
+        rng = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+        torch.save(rng, os.path.join(path, f"rng_rank{self.rank}.pt"))
         dist.barrier()
+        return self.weights_digest()
 
-    def load(self, path: str) -> None:
+    def load(self, path: str) -> str:
+        """The state `save` wrote; returns `weights_digest()` of the loaded weights."""
+        import random
+
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import set_state_dict
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
 
         state = self._state()
         dcp.load(state, checkpoint_id=path)
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optim"])
         self.scheduler.load_state_dict(state["scheduler"])
+        if self.ref_model is not None:
+            set_model_state_dict(self.ref_model, state["ref"])
+        rng = torch.load(os.path.join(path, f"rng_rank{self.rank}.pt"), weights_only=False)
+        torch.set_rng_state(rng["torch"])
+        np.random.set_state(rng["numpy"])
+        random.setstate(rng["python"])
+        return self.weights_digest()
+
+    def weights_digest(self) -> str:
+        """sha256 of every rank's parameter shards, bit for bit (a collective: every rank calls it)."""
+        import hashlib
+
+        h = hashlib.sha256()
+        for name, p in self.model.named_parameters():
+            local = p.detach().to_local() if hasattr(p, "to_local") else p.detach()
+            h.update(name.encode())
+            h.update(local.contiguous().cpu().view(torch.uint8).numpy().tobytes())
+        digests: list[str | None] = [None] * self.world_size
+        dist.all_gather_object(digests, h.hexdigest())
+        return hashlib.sha256("".join(str(d) for d in digests).encode()).hexdigest()[:16]
 
     def export_hf(self, path: str) -> None:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict

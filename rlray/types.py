@@ -40,6 +40,7 @@ class Group:
 
     rollouts: list[Rollout]
     advantages: np.ndarray | None = None  # float32 [len(rollouts)], set by the buffer
+    ticket: int = -1  # the buffer ticket it was produced for (its number names the prompt)
 
     @property
     def version(self) -> int:

@@ -92,18 +92,18 @@ class _CountingBuffer:
     def __init__(self, inner: Any, mark: Any) -> None:
         self.inner, self.mark = inner, mark
 
-    async def reserve(self, version: int, want: int) -> int:
+    async def reserve(self, version: int, want: int) -> list[int]:
         granted = await self.inner.reserve(version, want)
-        self.mark(granted)
+        self.mark(len(granted))
         return granted
 
     async def put(self, groups: list) -> Any:
         self.mark(-len(groups))
         return await self.inner.put(groups)
 
-    async def cancel(self, n: int) -> Any:
-        self.mark(-n)
-        return await self.inner.cancel(n)
+    async def cancel(self, tickets: list[int]) -> Any:
+        self.mark(-len(tickets))
+        return await self.inner.cancel(tickets)
 
 
 class ProbedRolloutActor(RolloutActor):

@@ -99,10 +99,10 @@ class PassBuffer:
         self.limit += groups
         self.done.clear()
 
-    async def reserve(self, version: int, want: int) -> int:
+    async def reserve(self, version: int, want: int) -> list[int]:
         n = max(0, min(want, self.limit - self.granted))
         self.granted += n
-        return n
+        return list(range(self.granted - n, self.granted))  # ticket numbers, as BufferActor grants them
 
     async def put(self, groups: list[Any]) -> None:
         self.put_groups += len(groups)
@@ -110,9 +110,9 @@ class PassBuffer:
         if self.put_groups >= self.limit:
             self.done.set()
 
-    async def cancel(self, n: int) -> None:
+    async def cancel(self, tickets: list[int]) -> None:
         """A group failed: the pass cannot complete, so end it now (the caller raises)."""
-        self.failed += n
+        self.failed += len(tickets)
         self.done.set()
 
 

@@ -4,10 +4,13 @@ Contract:
 - `EnvRunner(envs, engine, tokenizer, clients, cfg, version=..., server=..., chat_template=...)`
   drives verifiers environments (`Env`, weighted) with `clients`, verifiers clients of the
   actor's OpenAI endpoint (`rlray.server`; `make_clients`). `version()` is the actor's policy version.
-- `next_train() -> (env, row)`: the next training row; the environment is drawn by weight,
-  rows of one environment come in order (actor i of A takes rows i, i+A, ...).
-- `group(env, row, n, temperature, max_tokens) -> list[Rollout]`: n rollouts of one row,
-  scored together by the env's rubric (group reward functions see the whole group).
+- `train_row(ticket) -> (env, row)`: the training row of buffer ticket `ticket`, a pure
+  function of the ticket (so a resumed run, or a replacement actor, draws the same): the
+  environment drawn by weight with a generator seeded by `run_seed` and the ticket, its
+  train row `ticket` (modulo its size). `group_seed(ticket)` is that group's sampling seed.
+- `group(env, row, n, temperature, max_tokens, seed=None) -> list[Rollout]`: n rollouts of
+  one row, scored together by the env's rubric (group reward functions see the whole group);
+  with `seed`, rollout j samples with vLLM seed `seed + j` (reproducible given the weights).
   Every rollout is token-exact: prompt ids, completion ids and logprobs are what vLLM
   returned (`return_token_ids`, `logprobs`); turn after turn, the environment's tokens
   between two model turns (tool results, user turns, chat-template glue) join the
@@ -85,39 +88,41 @@ def make_clients(base_url: str, timeout_s: float, n: int = 8, connections: int =
 class EnvRunner:
     def __init__(self, envs: list[tuple[Env, float]], engine: Any, tokenizer: Any, clients: list[Any], cfg: Any, *,
                  version: Callable[[], int], server: Any = None, chat_template: str | None = None,
-                 index: int = 0, num_actors: int = 1, seed: int = 0) -> None:
+                 index: int = 0, num_actors: int = 1, run_seed: int = 0) -> None:
         self.envs = [e for e, _ in envs]
         self.weights = [w for _, w in envs]
         self.by_id = {e.id: e for e in self.envs}
         self.engine, self.tokenizer, self.clients, self.cfg = engine, tokenizer, clients, cfg
         self._next_client = 0
         self.version, self.server, self.chat_template = version, server, chat_template
-        self.num_actors = num_actors
-        self.rng = random.Random(f"{seed}:{index}")
-        self.next_index = {e.id: index for e in self.envs}
+        self.num_actors, self.run_seed = num_actors, run_seed
         self.counts: Counter[str] = Counter()
         for e in self.envs:
             instrument_env(e, cfg.tool_timeout_s)
 
     # ---- work -------------------------------------------------------------------
-    def next_train(self) -> tuple[Env, dict]:
-        env = self.envs[0] if len(self.envs) == 1 else self.rng.choices(self.envs, self.weights)[0]
-        i = self.next_index[env.id]
-        self.next_index[env.id] = i + self.num_actors
-        return env, env.row("train", i)
+    def train_row(self, ticket: int) -> tuple[Env, dict]:
+        rng = random.Random(f"{self.run_seed}:{ticket}")
+        env = self.envs[0] if len(self.envs) == 1 else rng.choices(self.envs, self.weights)[0]
+        return env, env.row("train", ticket)
+
+    def group_seed(self, ticket: int) -> int:
+        return ((self.run_seed * 7919 + ticket) * 1024) % 2**31  # + j < 1024 for rollout j
 
     def uses_fast_path(self, env: Env) -> bool:
         return bool(self.cfg.fast_path) and env.fast_path_ok
 
-    async def group(self, env: Env, row: dict, n: int, temperature: float, max_tokens: int) -> list[Rollout]:
+    async def group(self, env: Env, row: dict, n: int, temperature: float, max_tokens: int,
+                    seed: int | None = None) -> list[Rollout]:
         sampling = self._sampling(env, temperature, max_tokens)
         self._next_client = (self._next_client + 1) % len(self.clients)
         client = self.clients[self._next_client]  # one group, one connection pool (and the prefix cache)
         if self.uses_fast_path(env):
-            trackers = await self._fast(env, row, n, temperature, max_tokens, sampling, client)
+            trackers = await self._fast(env, row, n, temperature, max_tokens, sampling, client, seed)
             self.counts["fast_rollouts"] += n
         else:
-            trackers = await asyncio.gather(*(self._http(env, row, sampling, client) for _ in range(n)))
+            seeded = [sampling if seed is None else {**sampling, "seed": seed + j} for j in range(n)]
+            trackers = await asyncio.gather(*(self._http(env, row, sp, client) for sp in seeded))
             self.counts["http_rollouts"] += n
         await self._score(env, trackers)
         rollouts = [self._rollout(env, row, t) for t in trackers]
@@ -173,7 +178,7 @@ class EnvRunner:
         return tracker
 
     async def _fast(self, env: Env, row: dict, n: int, temperature: float, max_tokens: int,
-                    sampling: dict, client: Any) -> list[Tracker]:
+                    sampling: dict, client: Any, seed: int | None = None) -> list[Tracker]:
         import verifiers as vf
         from verifiers.types import TrajectoryStep
 
@@ -186,7 +191,7 @@ class EnvRunner:
                 t.errors.append(f"EnvError: rendering the prompt failed: {type(e).__name__}: {e}")
             return trackers
         samples = await self.engine.generate(prompt_ids, n=n, temperature=temperature, max_tokens=max_tokens,
-                                             version=self.version)
+                                             version=self.version, seed=seed)  # vLLM: child j gets seed + j
         for t, s in zip(trackers, samples):
             try:
                 state = await env.vf.init_state(row, client, MODEL, sampling)

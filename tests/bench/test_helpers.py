@@ -45,7 +45,7 @@ def test_metrics_clock_takes_the_promptest_log() -> None:
 def test_default_config_is_conf_yaml_plus_overrides() -> None:
     c = default_config(["async.max_off_policy_steps=2", "stages=[rl]", "rl.steps=3"])
     assert c.async_.max_off_policy_steps == 2 and c.stages == ["rl"] and c.rl.steps == 3
-    assert c.algo.aggregation == "token"  # set by conf/config.yaml, not the schema's default
+    assert (c.algo.loss, c.algo.aggregation) == ("grpo", "sequence")  # conf/config.yaml's loss, its preset
     assert in_schema("async.max_off_policy_steps=1") and in_schema("rl.steps=2")
     assert not in_schema("nope.key=1") and not in_schema("rl.nope=1")
 

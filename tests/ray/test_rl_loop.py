@@ -33,3 +33,5 @@ def test_rl_steps_run_with_bounded_staleness(ray_cluster, tmp_path, k: int, rank
         assert any(r["lag_mean"] > 0 for r in rl), "rollouts never ran ahead of the trainer"
     assert 0.0 <= summary["rl_end_reward"] <= 1.0
     assert (Path(c.run.dir) / "config.yaml").exists()
+    logs = "".join(f.read_text(errors="replace") for f in (Path(c.run.dir) / "logs").glob("worker-*"))
+    assert "INFO" in logs and "vllm" in logs.lower()  # the actors' full output, vLLM's INFO lines with it

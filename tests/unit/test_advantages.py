@@ -68,14 +68,14 @@ def test_dynamic_sampling_keeps_sampling_until_the_batch_is_full() -> None:
     async def go() -> None:
         buf = BufferActor(AlgoConfig(filter_zero_advantage=True), groups_per_step=2, max_off_policy_steps=0,
                           num_ranks=1, micro_batch_tokens=4096, pad_id=0)
-        assert await buf.reserve(0, 10) == 2
+        assert await buf.reserve(0, 10) == [0, 1]
         task = asyncio.create_task(buf.get_batch(0))
         await buf.put([Group([rollout(1.0), rollout(1.0)]), Group([rollout(1.0), rollout(0.0)])])
         await asyncio.sleep(0.05)
         assert not task.done()  # one useful group of two
-        assert await buf.reserve(0, 10) == 1  # the dropped group's ticket is granted again
+        assert await buf.reserve(0, 10) == [2]  # the dropped group's ticket is granted again, numbered anew
         await buf.put([Group([rollout(0.0), rollout(0.0)])])  # dropped too
-        assert await buf.reserve(0, 10) == 1
+        assert await buf.reserve(0, 10) == [3]
         await buf.put([Group([rollout(0.0), rollout(0.5)])])
         mbs = await asyncio.wait_for(task, 1)  # one rank: its own micro-batches
         stats = await buf.step_stats(0)

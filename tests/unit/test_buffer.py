@@ -32,13 +32,13 @@ def test_failed_rollouts_stay_out_of_the_group_baseline() -> None:
         g.rollouts[3].error = "EnvError: RuntimeError: boom"
         lone = group(0, rewards=(1.0, 0.0))
         lone.rollouts[1].error = "RewardError: ValueError: bad"
-        await buf.reserve(0, 2)
+        lone.ticket, g.ticket = 0, 1
         await buf.put([lone, g])
         await buf.get_batch(0)
         std = np.std([1.0, 0.0, 0.0])
         np.testing.assert_allclose(g.advantages, [(2 / 3) / std, (-1 / 3) / std, (-1 / 3) / std, 0.0], rtol=1e-5)
         stats = await buf.step_stats(0)
-        assert stats["invalid_groups_dropped"] == 1 and buf.released == 1
+        assert stats["invalid_groups_dropped"] == 1 and buf.released == 1 and buf.unconsumed == 2
     asyncio.run(go())
 
 
@@ -91,27 +91,60 @@ def test_get_batch_waits_for_a_full_batch() -> None:
 def test_tickets_bound_how_far_rollouts_run_ahead() -> None:
     async def go() -> None:
         buf = make(k=2, G=4)
-        assert await buf.reserve(0, 100) == 12  # G * (v + k + 1)
-        assert await buf.reserve(0, 1) == 0
-        assert await buf.reserve(1, 10) == 4
-        await buf.cancel(2)
-        assert await buf.reserve(1, 10) == 2
+        assert await buf.reserve(0, 100) == list(range(12))  # G * (v + k + 1), numbered in order
+        assert await buf.reserve(0, 1) == []
+        assert await buf.reserve(1, 10) == [12, 13, 14, 15]
+        await buf.cancel([3, 7])
+        assert await buf.reserve(1, 10) == [16, 17]
     asyncio.run(go())
+
+
+def ticketed(version: int, ticket: int) -> Group:
+    g = group(version)
+    g.ticket = ticket
+    return g
 
 
 def test_a_dead_actors_tickets_come_back_and_only_its_own() -> None:
     async def go() -> None:
         buf = make(k=0, G=4)
-        assert await buf.reserve(0, 3, actor=0) == 3
-        assert await buf.reserve(0, 3, actor=1) == 1
-        await buf.put([group(0)], actor=0)
-        await buf.cancel(1, actor=0)
-        assert await buf.reserve(0, 10, actor=1) == 1  # the cancelled ticket
-        assert await buf.forget(0) == 1  # actor 0 still held one
+        assert await buf.reserve(0, 3, actor=0) == [0, 1, 2]
+        assert await buf.reserve(0, 3, actor=1) == [3]
+        await buf.put([ticketed(0, 0)], actor=0)
+        await buf.cancel([1], actor=0)
+        assert await buf.reserve(0, 10, actor=1) == [4]  # the cancelled ticket's place
+        assert await buf.forget(0) == 1  # actor 0 still held ticket 2
         assert await buf.forget(0) == 0
-        assert await buf.reserve(0, 10, actor=2) == 1
-        await buf.put([group(0)], actor=0)  # a put that was in flight when actor 0 died
-        assert await buf.forget(1) == 2 and await buf.reserve(0, 10, actor=2) == 2
+        assert await buf.reserve(0, 10, actor=2) == [5]
+        await buf.put([ticketed(0, 2)], actor=0)  # a put that was in flight when actor 0 died
+        assert await buf.forget(1) == 2 and await buf.reserve(0, 10, actor=2) == [6, 7]
+    asyncio.run(go())
+
+
+def test_batches_take_the_lowest_tickets_and_a_resume_regrants_what_was_not_trained() -> None:
+    """Groups arrive out of order; each batch is the lowest tickets queued, in ticket order. The state
+    names the lowest ticket not trained on, dropped ones counting as done; a resumed buffer grants from
+    there, so the group in flight (ticket 5) and the queued one (4) are produced again for their prompts."""
+    async def go() -> None:
+        buf = make(k=0, G=2, ranks=1)
+        assert await buf.reserve(0, 2) == [0, 1]
+        await buf.put([ticketed(0, 1), ticketed(0, 0)])
+        await buf.get_batch(0)
+        assert await buf.reserve(1, 4) == [2, 3]
+        dropped = Group([rollout(1.0, 1), rollout(0.0, 1)], ticket=2)
+        dropped.rollouts[0].error = "EnvError: boom"
+        await buf.put([ticketed(1, 3), dropped])
+        assert await buf.reserve(1, 4) == [4]  # ticket 2's group was dropped: one more
+        await buf.put([ticketed(1, 4)])
+        mbs = await buf.get_batch(1)
+        assert [g.ticket for g in buf.queue] == [] and sum(len(mb.input_ids) for mb in mbs) == 4
+        assert await buf.reserve(2, 4) == [5, 6]
+        await buf.put([ticketed(2, 6)])
+        state = await buf.state()
+        assert state["unconsumed"] == 5
+        resumed = make(k=0, G=2, ranks=1)
+        await resumed.load_state({**state, "step": 2})
+        assert await resumed.reserve(2, 4) == [5, 6]
     asyncio.run(go())
 
 
@@ -123,7 +156,7 @@ def test_zero_advantage_groups_are_filtered_when_asked() -> None:
         stats = await buf.step_stats(0)
         assert stats["zero_adv_dropped"] == 1
         assert stats["reward_mean"] == pytest.approx(0.5)
-        assert await buf.reserve(0, 10) == 2  # G*(0+0+1) + 1 released - 0 issued
+        assert len(await buf.reserve(0, 10)) == 2  # G*(0+0+1) + 1 released - 0 issued
     asyncio.run(go())
 
 

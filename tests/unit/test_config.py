@@ -33,6 +33,10 @@ def launch(*overrides: str, cwd: str = "/") -> subprocess.CompletedProcess:
     (["trainer.ep=3"], "trainer.ep=3"),
     (["+twin=gpu"], "twin/gpu"),
     (["algo.loss=nope"], "algo.loss"),
+    (["env.chat_template=/no/such/template.jinja"], "env.chat_template"),
+    (["env.id=no_such_env"], "env.id='no_such_env'"),
+    (["env.id=calculator", "+env.args.force_tool_format=true"], "env.allow_biased_sampling=true"),
+    (["algo.mini_batches=3"], "algo.mini_batches=3"),
     (["rollout.max_restarts=-1"], "rollout.max_restarts"),
     (["stages=[sft,train]"], "stages"),
     (["rl.sync_every=3", "async.max_off_policy_steps=0"], "async.max_off_policy_steps"),
@@ -70,3 +74,17 @@ def test_validate_rejects_group_size_mismatch() -> None:
     c.rollout.group_size = 3
     with pytest.raises(ConfigError, match="rollout.group_size"):
         validate(c)
+
+
+def test_a_run_that_cannot_go_on_stops_with_one_line_and_keeps_the_traceback(tmp_path, capsys) -> None:
+    from rlray.launch import _stopped
+
+    try:
+        raise RuntimeError("rollout-0 was lost: its vLLM engine died (EngineDeadError). Raise rollout.max_restarts")
+    except RuntimeError as e:
+        with pytest.raises(SystemExit) as code:
+            _stopped(e, tmp_path)
+    err = capsys.readouterr().err
+    assert code.value.code == 1 and err.count("\n") == 1
+    assert err.startswith("run stopped: rollout-0 was lost") and str(tmp_path / "error.log") in err
+    assert "Traceback" in (tmp_path / "error.log").read_text()
