@@ -51,7 +51,8 @@ def load_environment(n: int = 32):
 '''
 
 HANGING_TOOL_ENV = '''
-"""The calculator, forced to call its tool every turn; the tool hangs on expressions of odd length."""
+"""The calculator, forced to call its tool every turn; the tool hangs on a third of the expressions
+(by the sum of their characters: a tiny random model's lengths are all alike, its characters are not)."""
 import time
 
 import verifiers as vf
@@ -66,7 +67,7 @@ def calc(expression: str) -> str:
     Args:
         expression: integers combined with + - * and parentheses
     """
-    if len(expression) % 2 == 1:
+    if sum(map(ord, expression)) % 3 == 0:
         time.sleep(5)
     return calculator.calc(expression)
 
