@@ -15,8 +15,9 @@ Contract:
 - A rollout sampled under biasing args (`Rollout.biased`) goes to the trainer with NaN
   inference logprobs: mu unknown, the trainer takes its own batch-start policy instead.
 - `get_batch(step)` waits until G fresh groups are queued, drops (and counts) groups
-  older than `step - k`, takes the G with the lowest tickets, and returns one list of packed micro-batches per trainer rank
-  (with one rank, that rank's list itself: what Ray's `num_returns=1` hands the trainer).
+  older than `step - k`, takes the G with the lowest tickets, and returns one list of packed
+  micro-batches per trainer rank (with one rank, that rank's list itself: what Ray's
+  `num_returns=1` hands the trainer).
   With `algo.mini_batches` = M, the batch's sequences are cut into M consecutive equal
   shares, each packed on its own and labelled `MicroBatch.mini_batch` (one optimizer step each).
 - `queued(step)` is how many queued groups `get_batch(step)` could use now (of G).
