@@ -77,23 +77,26 @@ class RolloutActor:
         from transformers import AutoTokenizer
 
         from rlray.engine import Engine
-        from rlray.envs.runner import EnvRunner, make_clients
+        from rlray.envs.bridge import TurnBridge
+        from rlray.envs.client import make_clients
+        from rlray.envs.runner import EnvRunner
         from rlray.server import PLAIN_CHAT_TEMPLATE, OpenAIServer
 
         path = model_path(self.model_cfg)
         self.tokenizer = AutoTokenizer.from_pretrained(path)
+        template = resolve_chat_template(self.env_cfg, self.tokenizer)
+        bridge = TurnBridge(self.tokenizer, template)  # fails fast on a template it cannot split
         envs = load_envs(self.env_cfg)
         self.engine = await Engine.create(path, max_model_len=self.cfg.max_model_len, seed=self.seed + self.index,
                                           kv_cache_fraction=self.cfg.kv_cache_fraction,
                                           engine_kwargs=self._engine_kwargs())
-        template = resolve_chat_template(self.env_cfg, self.tokenizer)
         parser = self.env_cfg.tool_call_parser
         if parser == "auto":
             parser = "rlray" if template == PLAIN_CHAT_TEMPLATE else None
         self.server = await OpenAIServer.start(self.engine, host=self.env_cfg.server_host,
                                                port=self.env_cfg.server_port, chat_template=template,
                                                tool_call_parser=parser or None)
-        self.clients = make_clients(self.server.url, self.env_cfg.rollout_timeout_s)
+        self.clients = make_clients(self.server.url, self.env_cfg.rollout_timeout_s, bridge, self.cfg.max_model_len)
         self.runner = EnvRunner(envs, self.engine, self.tokenizer, self.clients, self.env_cfg,
                                 version=lambda: self.version, server=self.server, chat_template=template,
                                 index=self.index, num_actors=self.num_actors, run_seed=self.run_seed)

@@ -5,8 +5,9 @@ Contract:
   by the node's address) builds vLLM's FastAPI app
   (`build_app` + `init_app_state`) around the engine's `AsyncLLM` and serves it with
   uvicorn as a task on the current event loop: the same engine answers HTTP requests
-  (`/v1/chat/completions`, `/v1/completions`, `/tokenize`, `/v1/models`, ...) and direct
-  `Engine.generate` calls. `url` is the OpenAI base URL (`http://host:port/v1`).
+  (`/v1/chat/completions`, `/v1/completions`, `/tokenize`, `/v1/models`, ...; with vLLM's
+  scale-out routes on, the token-in turns of `rlray.envs.client` use render, generate and
+  derender) and direct `Engine.generate` calls. `url` is the OpenAI base URL (`http://host:port/v1`).
 - Token ids and logprobs come back when a request asks for them (`logprobs: true`,
   `return_token_ids: true`); logprobs are the engine's `processed_logprobs`.
 - Every finished request's weight-version spans (which policy version sampled which
@@ -128,7 +129,7 @@ class OpenAIServer:
         if chat_template is None and not getattr(llm.renderer.tokenizer, "chat_template", None):
             chat_template = PLAIN_CHAT_TEMPLATE
         argv = ["--model", model, "--served-model-name", model_name, model, "--disable-uvicorn-access-log",
-                "--disable-log-stats", "--disable-fastapi-docs"]
+                "--disable-log-stats", "--disable-fastapi-docs", "--enable-scale-out"]
         if chat_template is not None:
             argv += ["--chat-template", chat_template]
         if tool_call_parser:

@@ -28,6 +28,8 @@ class Rollout:
     error: str | None = None
     text: str = ""
     biased: bool = False  # sampled under distribution-changing args (env.allow_biased_sampling): mu unknown
+    turns: int = 1  # model turns
+    stop: str = ""  # the verifiers stop condition that ended it (max_turns_reached, turn_truncated, ...)
 
     @property
     def min_version(self) -> int:

@@ -6,8 +6,10 @@ Contract:
   "RewardError: <func>: <type>: <message>", to the rollout state's `rlray_reward_errors`;
   wraps each tool so a call runs in its own thread pool (a hung tool never blocks the event
   loop) and fails with `ToolTimeoutError` past `tool_timeout_s`, recorded as "ToolTimeout: ..."
-  on the current `Tracker` and ending the rollout; and records the rollout's state on the
-  current `Tracker` as soon as it exists, so it survives a later failure.
+  on the current `Tracker` and ending the rollout; adds the stop condition `turn_truncated`
+  (a model turn cut at max_tokens ends the rollout: a truncated turn has no end of turn to
+  continue from); and records the rollout's state on the current `Tracker` as soon as it
+  exists, so it survives a later failure.
 - `CURRENT` is the `Tracker` of the rollout running in this task (a context variable).
 - `error_kind("Kind: detail") == "Kind"`.
 """
@@ -154,6 +156,11 @@ def _timed_tool(fn: Callable, name: str, timeout: float) -> Callable:
     return call
 
 
+async def turn_truncated(state: Any) -> bool:
+    steps = state.get("trajectory") or []
+    return bool(steps) and bool(steps[-1].get("is_truncated"))
+
+
 def instrument_env(env: Env, tool_timeout_s: float) -> None:
     vf_env = env.vf
     if getattr(vf_env, "_rlray_instrumented", False):
@@ -167,6 +174,9 @@ def instrument_env(env: Env, tool_timeout_s: float) -> None:
         stop = getattr(vf_env, "stop_errors", None)
         if isinstance(stop, list) and ToolTimeoutError not in stop:
             stop.append(ToolTimeoutError)  # a timed-out tool ends the rollout
+    conditions = getattr(vf_env, "_stop_conditions", None)
+    if isinstance(conditions, list):  # after has_error, before every other condition
+        conditions.insert(min(1, len(conditions)), turn_truncated)
     init_state = vf_env.init_state
 
     async def tracked_init_state(*args: Any, **kwargs: Any) -> Any:

@@ -3,7 +3,7 @@
 Contract:
 - `EnvRunner(envs, engine, tokenizer, clients, cfg, version=..., server=..., chat_template=...)`
   drives verifiers environments (`Env`, weighted) with `clients`, verifiers clients of the
-  actor's OpenAI endpoint (`rlray.server`; `make_clients`). `version()` is the actor's policy version.
+  actor's OpenAI endpoint (`rlray.server`; `rlray.envs.client.make_clients`). `version()` is the actor's policy version.
 - `train_row(ticket) -> (env, row)`: the training row of buffer ticket `ticket`, a pure
   function of the ticket (so a resumed run, or a replacement actor, draws the same): the
   environment drawn by weight with a generator seeded by `run_seed` and the ticket, its
@@ -15,9 +15,12 @@ Contract:
   returned (`return_token_ids`, `logprobs`); turn after turn, the environment's tokens
   between two model turns (tool results, user turns, chat-template glue) join the
   completion with loss mask 0 and logprob 0, the model's tokens have mask 1.
-- Multi-turn check: turn k+1's prompt ids must start with turn k's prompt + completion ids;
-  otherwise the rollout keeps its reward but gets error "TokenMismatch: ..." and an all-zero
-  loss mask (counted, never trained on).
+- Multi-turn is token in, token out (`rlray.envs.client`): turn k+1's prompt ids are turn k's
+  prompt + completion ids + the template's ids for the new messages only. The check stays as a
+  guard: a turn whose prompt ids do not start with the previous prompt + completion ids gives
+  the rollout error "TokenMismatch: ..." and an all-zero loss mask (counted, never trained on).
+- `Rollout.turns` counts model turns, `Rollout.stop` is the verifiers stop condition that
+  ended the rollout (`max_turns_reached`, `turn_truncated`, `prompt_too_long`, ...).
 - Failures never raise: an environment that raises, a reward function that raises, a tool
   call past `env.tool_timeout_s`, a rollout past `env.rollout_timeout_s`, an endpoint that
   returns no token ids: that rollout gets reward 0, `error` "<Kind>: ..." and an all-zero
@@ -54,34 +57,6 @@ from rlray.types import Rollout
 log = logging.getLogger(__name__)
 MODEL = "rlray"  # the served model name (rlray.server.SERVED_MODEL_NAME)
 
-
-
-def make_clients(base_url: str, timeout_s: float, n: int = 8, connections: int = 16) -> list[Any]:
-    """Verifiers chat clients of an rlray endpoint. Several small connection pools, because
-    httpx's pool costs O(connections x waiting requests) per request. An empty completion is
-    a valid (bad) answer, not an error: it comes back as an empty assistant message."""
-    import httpx
-    import verifiers as vf
-    from openai import AsyncOpenAI
-
-    class Client(vf.OpenAIChatCompletionsClient):
-        async def raise_from_native_response(self, response: Any) -> None:
-            if response is None or not response.choices:
-                raise vf.EmptyModelResponseError("the endpoint returned no choices")
-
-        async def from_native_response(self, response: Any) -> Any:
-            out = await super().from_native_response(response)
-            if out.message.content is None and not out.message.tool_calls:
-                out.message.content = ""
-            return out
-
-    def one() -> Any:
-        http = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s),
-                                 limits=httpx.Limits(max_connections=connections,
-                                                     max_keepalive_connections=connections))
-        return Client(AsyncOpenAI(base_url=base_url, api_key="EMPTY", max_retries=0, http_client=http))
-
-    return [one() for _ in range(n)]
 
 
 # ---- the runner ---------------------------------------------------------------------
@@ -315,4 +290,5 @@ class EnvRunner:
             reward=reward, reward_parts=parts, env_id=env.id, example_id=int(row.get("example_id", -1)),
             finish_reason=finish, error=error, text=self.tokenizer.decode(ids, skip_special_tokens=True),
             biased=bool(biased_sampling_args(env.vf.sampling_args)),
+            turns=len(turns), stop=str((state or {}).get("stop_condition") or ""),
         )
