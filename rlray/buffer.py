@@ -23,7 +23,10 @@ Contract:
 - `queued(step)` is how many queued groups `get_batch(step)` could use now (of G).
 - `step_stats(step)` returns the rewards, lags and drop counts of that batch, the rollout
   errors so far, in all and by kind (`errors/<Kind>`), and `rollout_tokens_per_s`: completion
-  tokens the rollout actors delivered (kept or dropped) per wall second since the last batch.
+  tokens the rollout actors delivered (kept or dropped) per wall second since the last batch;
+  `turns_mean` and `token_mismatch_frac` (rollouts flagged TokenMismatch) of the batch, and
+  per environment `env/<id>/turns_mean`, `env/<id>/tokens_mean` (completion tokens, environment
+  tokens included) and `env/<id>/token_mismatch_frac`.
 - `state()` / `load_state()` round-trip the counters and the lowest ticket not trained on:
   a resumed run grants tickets from there, so the groups in flight at the checkpoint are
   generated again for the same prompts (with `async.max_off_policy_steps=0` and no dropped
@@ -188,6 +191,7 @@ class BufferActor:
             "completion_len_mean": tokens / max(1, len(rewards)),
             "truncated_frac": sum(r.finish_reason == "length" for g in groups for r in g.rollouts)
             / max(1, len(rewards)),
+            **_env_stats([r for g in groups for r in g.rollouts]),
             **self.counts,
             "queued": len(self.queue),
         }
@@ -214,3 +218,17 @@ class BufferActor:
         self.issued, self.released, self.held = self.G * state.get("step", 0), 0, {}
         self.next_ticket = self.unconsumed = state.get("unconsumed", self.G * state.get("step", 0))
         self.consumed = set()
+
+
+def _env_stats(rollouts: list) -> dict[str, float]:
+    def summary(rs: list, prefix: str) -> dict[str, float]:
+        n = max(1, len(rs))
+        return {f"{prefix}turns_mean": sum(r.turns for r in rs) / n,
+                f"{prefix}token_mismatch_frac": sum(error_kind(r.error) == "TokenMismatch" for r in rs) / n}
+
+    out = summary(rollouts, "")
+    for env_id in sorted({r.env_id for r in rollouts}):
+        rs = [r for r in rollouts if r.env_id == env_id]
+        out.update(summary(rs, f"env/{env_id}/"))
+        out[f"env/{env_id}/tokens_mean"] = sum(len(r.completion_ids) for r in rs) / len(rs)
+    return out

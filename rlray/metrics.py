@@ -23,7 +23,9 @@ CONSOLE = [("reward_mean", "reward", "{:.3f}"), ("eval_reward", "eval", "{:.3f}"
            ("rollout_tokens_per_s", "gen tok/s", "{:.0f}"), ("step_seconds", "step_s", "{:.2f}"),
            ("sync_seconds", "sync_s", "{:.3f}"), ("mismatch_kl", "mis_kl", "{:.1e}"),
            ("stale_kl", "stale_kl", "{:.1e}"), ("loss", "loss", "{:.4f}"),
-           ("moe_load_max_mean", "moe_load", "{:.2f}")]
+           ("moe_load_max_mean", "moe_load", "{:.2f}"), ("turns_mean", "turns", "{:.2f}"),
+           ("token_mismatch_frac", "mismatch", "{:.2f}")]
+QUIET = {"turns_mean": 1.0, "token_mismatch_frac": 0.0}  # left off the console line at this value
 
 
 # Ray gauge name -> the logged value it mirrors
@@ -110,7 +112,7 @@ class Metrics:
         where = f"{step + 1}/{total}" if total else str(step)
         parts = [f"[{stage}] step {where}"]
         for key, label, fmt in CONSOLE:
-            if isinstance(values.get(key), (int, float)):
+            if isinstance(values.get(key), (int, float)) and values[key] != QUIET.get(key):
                 parts.append(f"{label} {fmt.format(values[key])}")
         print("  ".join(parts), file=sys.stdout, flush=True)
 

@@ -3,7 +3,7 @@
 Contract:
 - `load_env(id, args, python_path=()) -> Env` puts `python_path` on `sys.path`, then calls
   `vf.load_environment(module, **args)`: a built-in id (`BUILTIN`: reverse_text,
-  arithmetic, calculator) names the module `rlray.envs.<id>`, any other id an installed
+  arithmetic, calculator, guess_number) names the module `rlray.envs.<id>`, any other id an installed
   environment module (dashes read as underscores), exactly as verifiers loads it.
   verifiers' own SIGINT/SIGTERM handlers are not installed (they would replace Ray's).
 - `load_envs(cfg) -> list[(Env, weight)]`: `env.mix` when set, else `env.id` with weight 1;
@@ -22,7 +22,7 @@ from typing import Any
 
 from rlray.envs.base import Env, Example, biased_sampling_args
 
-BUILTIN = ("reverse_text", "arithmetic", "calculator")
+BUILTIN = ("reverse_text", "arithmetic", "calculator", "guess_number")
 
 __all__ = ["BUILTIN", "Env", "Example", "load_env", "load_envs", "module_name"]
 

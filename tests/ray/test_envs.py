@@ -6,6 +6,7 @@
   run goes on, the test calls the rollout actor's OpenAI endpoint with the `openai` client.
 - A multi-turn tool environment whose tool hangs past `env.tool_timeout_s` trains end to end;
   the timed-out rollouts are counted.
+- A multi-turn game (guess_number) trains with no rollout flagged TokenMismatch.
 """
 
 from __future__ import annotations
@@ -162,3 +163,19 @@ def test_tool_env_with_a_hanging_tool_trains_end_to_end(ray_cluster, tmp_path) -
     assert timeouts and all(x == "ToolTimeout: tool 'calc' ran past env.tool_timeout_s=1.0s" for x in timeouts)
     assert None in errors  # the rollouts whose calls did not hang went through
     assert time.time() - t0 < 600
+
+
+def test_multi_turn_game_trains_on_every_rollout(ray_cluster, tmp_path) -> None:
+    """guess_number, four turns of higher/lower: every rollout is token-exact (none flagged), so every
+    model turn carries loss; long turns let the random model end most of its turns with eos."""
+    c = tiny_config(tmp_path, env={"id": "guess_number", "args": {"max_turns": 4}},
+                    rollout={"max_tokens": 48, "max_model_len": 256}, rl={"steps": 2},
+                    eval={"num_examples": 4})
+    c.stages = ["rl"]
+    run(c)
+    rl = records(c.run.dir, "metrics.jsonl", "rl")
+    assert [x["step"] for x in rl] == list(range(2))
+    assert all(x["token_mismatch_frac"] == 0.0 and x["env/guess_number/token_mismatch_frac"] == 0.0 for x in rl)
+    assert all(x.get("errors/TokenMismatch", 0) == 0 for x in rl)
+    assert max(x["env/guess_number/turns_mean"] for x in rl) > 1.2
+    assert all(x["env/guess_number/tokens_mean"] > 0 for x in rl)

@@ -75,6 +75,25 @@ def test_rollout_errors_are_counted_by_kind() -> None:
     asyncio.run(go())
 
 
+def test_multi_turn_stats_per_env() -> None:
+    async def go() -> None:
+        buf = make(k=0, G=2)
+        game, text = group(0, rewards=(1.0, 0.0, 1.0, 0.0)), Group([rollout(1.0, 0, n=5), rollout(0.0, 0)])
+        for j, r in enumerate(game.rollouts):
+            r.env_id, r.turns = "guess_number", j + 1  # 1, 2, 3, 4 turns
+        game.rollouts[3].error = "TokenMismatch: turn 4's prompt does not extend turn 3's"
+        for r in text.rollouts:
+            r.env_id = "reverse_text"
+        await buf.put([game, text])
+        await buf.get_batch(0)
+        stats = await buf.step_stats(0)
+        assert stats["env/guess_number/turns_mean"] == 2.5 and stats["env/reverse_text/turns_mean"] == 1.0
+        assert stats["env/guess_number/token_mismatch_frac"] == 0.25 and stats["token_mismatch_frac"] == 1 / 6
+        assert stats["env/reverse_text/tokens_mean"] == 4.0 and stats["env/guess_number/tokens_mean"] == 3.0
+        assert stats["turns_mean"] == (1 + 2 + 3 + 4 + 1 + 1) / 6
+    asyncio.run(go())
+
+
 def test_get_batch_waits_for_a_full_batch() -> None:
     async def go() -> None:
         buf = make(k=0)

@@ -33,9 +33,12 @@ def test_builtin_envs_load_by_id_with_disjoint_splits(env_id: str) -> None:
     evals = [env.example("eval", i) for i in range(20)]
     assert env.num_examples("train") == 50 and env.num_examples("eval") == 20
     assert env.example("train", 3) == env.example("train", 3)  # deterministic
-    assert {e.prompt for e in train}.isdisjoint({e.prompt for e in evals}) or env_id == "arithmetic"
+    if env_id == "guess_number":  # one prompt; the splits differ in their secrets
+        assert [e.answer for e in train] != [e.answer for e in evals]
+    else:
+        assert {e.prompt for e in train}.isdisjoint({e.prompt for e in evals}) or env_id == "arithmetic"
     assert env.example("train", 53).prompt == env.example("train", 3).prompt  # index modulo the split
-    assert env.fast_path_ok == (env_id != "calculator")
+    assert env.fast_path_ok == (env_id not in ("calculator", "guess_number"))
 
 
 def test_reverse_text_matches_the_plain_task() -> None:
@@ -125,9 +128,10 @@ def test_multi_turn_rollout_masks_environment_tokens(tok) -> None:
     p2 = p1 + c1 + [30, 31]  # the environment's turn: tool result and template glue
     c2 = [22, 2]
     state = {"trajectory": [step(p1, c1, [-0.1, -0.2, -0.3], [3, 3, 4]), step(p2, c2, [-0.4, -0.5], [5, 5])],
-             "reward": 0.5, "metrics": {"r": 0.5}}
+             "reward": 0.5, "metrics": {"r": 0.5}, "stop_condition": "max_turns_reached"}
     r = runner._rollout(env, {"prompt": [], "example_id": 7}, Tracker(version=3, state=state))
     assert r.error is None and r.reward == 0.5 and r.example_id == 7
+    assert r.turns == 2 and r.stop == "max_turns_reached"
     assert r.prompt_ids.tolist() == p1
     assert r.completion_ids.tolist() == c1 + [30, 31] + c2
     assert r.loss_mask.tolist() == [1, 1, 1, 0, 0, 1, 1]
@@ -287,3 +291,59 @@ def test_sft_prompts_use_the_chat_template_and_draw_from_the_mix(tok) -> None:
     chat = "{% for m in messages %}<|im_end|>user:{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}a:{% endif %}"
     templated = SFTData(envs, tok, chat, seed=0).sample(env, i)
     assert tok.decode(templated.prompt_ids.tolist()) == f"<|im_end|>user:{ex.prompt}a:"
+
+
+# ---- guess_number and the end of a truncated turn -----------------------------------------------
+def test_guess_number_replies_and_rewards_by_hand() -> None:
+    from rlray.envs.guess_number import guess_of, reply
+
+    env = load_env("guess_number", {"low": 1, "high": 8, "max_turns": 4, "num_train": 16, "num_eval": 16})
+    assert env.row("train", 0)["prompt"] == [{"role": "user", "content": "guess:1-8="}]
+    assert guess_of("x37y") == 37 and guess_of("abc") is None
+    assert (reply(3, 5), reply(7, 5), reply(None, 5), reply(5, 5)) == ("higher=", "lower=", "number?=", "correct")
+    rubrics = [env.vf.rubric, *getattr(env.vf.rubric, "rubrics", [])]
+    funcs = {f.__name__: f for r in rubrics for f in r.funcs}
+    found, solved, turns, consistent = funcs["found"], funcs["solved"], funcs["turns"], funcs["consistent"]
+    game = [{"role": "assistant", "content": "4"}, {"role": "user", "content": "higher="},
+            {"role": "assistant", "content": "x"}, {"role": "user", "content": "number?="},
+            {"role": "assistant", "content": "6"}]
+    assert found(game, "6") == (4 - 2) / 4 and solved(game, "6") == 1.0 and turns(game) == 3.0
+    assert found(game, "7") == 0.0 and solved(game, "7") == 0.0
+    assert found(game[:1], "4") == 1.0
+    assert consistent(game, "6") == 2 / 3  # 4, then nothing, then 6 inside 5-8
+    assert consistent(game, "3") == 1 / 3  # after "lower" for 4, 6 is outside 1-3
+    from rlray.envs.guess_number import consistency
+    assert consistency([4, 6, 5], 5, 1, 8) == 1.0 and consistency([9], 5, 1, 8) == 0.0
+
+
+def test_a_truncated_turn_ends_the_rollout() -> None:
+    from rlray.envs.instrument import instrument_env, turn_truncated
+
+    env = load_env("guess_number", {"num_train": 4, "num_eval": 4})
+    instrument_env(env, 1.0)
+    instrument_env(env, 1.0)  # idempotent
+    conditions = env.vf._stop_conditions
+    assert conditions[0].__name__ == "has_error" and conditions[1] is turn_truncated
+    assert conditions.count(turn_truncated) == 1
+    state = {"trajectory": [{"is_truncated": False}, {"is_truncated": True}]}
+    assert asyncio.run(env.vf.is_completed(state)) and state["stop_condition"] == "turn_truncated"
+    assert not asyncio.run(turn_truncated({"trajectory": [{"is_truncated": False}]}))
+
+
+def test_reverse_text_in_turns_sends_the_next_word_and_averages_the_answers() -> None:
+    import verifiers as vf
+
+    from rlray.envs.reverse_text import chain_lcs
+
+    env = load_env("reverse_text", {"turns": 3, "num_train": 8, "num_eval": 4})
+    assert isinstance(env.vf, vf.MultiTurnEnv) and not env.fast_path_ok and env.vf.max_turns == 3
+    row = env.row("train", 2)
+    words = row["info"]["words"]
+    assert row["prompt"][0]["content"] == f"rev:{words[0]}=" and row["answer"] == words[0][::-1]
+    assert len(set(words)) == 3 and words[0] == load_env("reverse_text", {"num_train": 8}).row("train", 2)["answer"][::-1]
+    said = [{"role": "user", "content": row["prompt"][0]["content"]}, {"role": "assistant", "content": "x"}]
+    reply = asyncio.run(env.vf.env_response(said, {"info": row["info"]}))
+    assert reply[0].content == f"rev:{words[1]}="
+    game = [{"role": "assistant", "content": words[0][::-1]}, {"role": "user", "content": "rev:...="},
+            {"role": "assistant", "content": words[1][::-1]}]
+    assert chain_lcs(game, row["info"]) == 2 / 3  # the third answer was never given
