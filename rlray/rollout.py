@@ -107,6 +107,11 @@ class RolloutActor:
                                   "tensor_parallel_size": self.cfg.tensor_parallel_size}
         if self.cfg.tensor_parallel_size > 1:  # the engine's workers are processes in this actor's bundle
             kwargs["distributed_executor_backend"] = "mp"
+        if self.cfg.gpus_per_actor == 0:
+            # vLLM 0.32 on CPU: a seeded request whose prefill is split (chunked prefill, or the
+            # recompute after a weight update) makes the worker call Generator.set_offset, which CPU
+            # generators lack ("CPU Generator does not use offset"), and the engine dies.
+            kwargs["enable_chunked_prefill"] = False
         if self.cfg.kv_cache_gb > 0:
             kwargs["kv_cache_memory_bytes"] = int(self.cfg.kv_cache_gb * 2**30)
         return {**kwargs, **self.cfg.engine_kwargs}
