@@ -13,7 +13,7 @@ buffer counters) at its start and every that many steps; a later run with the sa
 run folder resumes from the newest committed one (an interrupted SFT restarts). The
 controller moves object references and version numbers; rollouts and batches go
 from actor to actor (SFT batches, built from the dataset here, are put once).
-The summary holds the held-out greedy rewards after SFT and at the end of RL.
+The summary holds the held-out rewards (greedy unless eval.temperature > 0) after SFT and at the end of RL.
 """
 
 from __future__ import annotations
@@ -191,7 +191,7 @@ class Controller:
             self.sync(0)
             start = self.evaluate("rl-start")
             self.summary["rl_start_reward"] = start
-            print(f"held-out greedy reward before RL: {start:.3f}", flush=True)
+            print(f"held-out {self._eval_kind()} reward before RL: {start:.3f}", flush=True)
             if self.c.checkpoint.every:
                 self.save("rl", 0)
             return 0
@@ -242,8 +242,12 @@ class Controller:
             print(f"exported the trained model to {self.run_dir / 'hf'}", flush=True)
         end = self.evaluate("rl-end")
         self.summary.update(rl_end_reward=end, lag_max=float(max(lags, default=0.0)))
-        print(f"held-out greedy reward after RL: {end:.3f} (before RL {start:.3f}, gain {end - start:+.3f})",
+        print(f"held-out {self._eval_kind()} reward after RL: {end:.3f} (before RL {start:.3f}, gain {end - start:+.3f})",
               flush=True)
+
+    def _eval_kind(self) -> str:
+        e = self.c.eval
+        return "greedy" if e.temperature == 0 else f"sampled (temperature {e.temperature:g}, {e.num_samples} per example)"
 
     def eval_stage(self) -> None:
         """Evaluation as a stage (`stages=[eval]`, or after training): the current policy on
