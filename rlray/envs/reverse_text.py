@@ -5,6 +5,9 @@ reward = LCS(completion, answer) / max(len(completion), len(answer)), in [0, 1],
 exact reversal. Train and eval examples come from disjoint seeds; example i of a split is the
 same string on every node. `load_environment(...)` is the verifiers `SingleTurnEnv` (loaded by
 `env.id=reverse_text` like any environment); `ReverseText` is the same task as plain functions.
+With `turns=T > 1` it is a `MultiTurnEnv`: after each answer the environment sends the next word
+(`rev:world=`), T words in all, and the reward is the mean LCS ratio of the T answers (an answer
+never given scores 0); the row's `answer` is the first word's reversal.
 """
 
 from __future__ import annotations
@@ -67,8 +70,19 @@ def exact(completion: Any, answer: str, **_: Any) -> float:
     return float(_completion_text(completion).strip() == answer)
 
 
+def _answers(completion: Any) -> list[str]:
+    return [_completion_text([m]).strip() for m in completion or []
+            if (m.get("role") if isinstance(m, dict) else getattr(m, "role", None)) == "assistant"]
+
+
+def chain_lcs(completion: Any, info: dict, **_: Any) -> float:
+    words = info["words"]
+    answers = _answers(completion)
+    return sum(lcs_ratio(a, w[::-1]) for a, w in zip(answers, words)) / len(words)
+
+
 def load_environment(min_len: int = 3, max_len: int = 8, seed: int = 0, num_train: int = 50_000,
-                     num_eval: int = 1_000, **kwargs: Any):
+                     num_eval: int = 1_000, turns: int = 1, **kwargs: Any):
     import verifiers as vf
     from datasets import Dataset
 
@@ -77,11 +91,23 @@ def load_environment(min_len: int = 3, max_len: int = 8, seed: int = 0, num_trai
     def rows(split: str, n: int):
         def build() -> Dataset:
             examples = [task.example(split, i) for i in range(n)]
-            return Dataset.from_dict({"prompt": [[{"role": "user", "content": e.prompt}] for e in examples],
-                                      "answer": [e.answer for e in examples],
-                                      "example_id": list(range(n))})
+            data = {"prompt": [[{"role": "user", "content": e.prompt}] for e in examples],
+                    "answer": [e.answer for e in examples], "example_id": list(range(n))}
+            if turns > 1:  # the later words of example i: words n + (turns - 1) i + ...
+                data["info"] = [{"words": [task.word(split, i)] + [task.word(split, n + (turns - 1) * i + t)
+                                                                    for t in range(turns - 1)]} for i in range(n)]
+            return Dataset.from_dict(data)
         return build
 
-    rubric = vf.Rubric(funcs=[lcs_reward, exact], weights=[1.0, 0.0])
-    return vf.SingleTurnEnv(dataset=rows("train", num_train), eval_dataset=rows("eval", num_eval), rubric=rubric,
-                            **kwargs)
+    if turns == 1:
+        rubric = vf.Rubric(funcs=[lcs_reward, exact], weights=[1.0, 0.0])
+        return vf.SingleTurnEnv(dataset=rows("train", num_train), eval_dataset=rows("eval", num_eval),
+                                rubric=rubric, **kwargs)
+
+    class ReverseChain(vf.MultiTurnEnv):
+        async def env_response(self, messages: Any, state: Any, **_: Any) -> Any:
+            done = len(_answers(messages))
+            return [vf.UserMessage(content=f"rev:{state['info']['words'][done]}=")]
+
+    return ReverseChain(dataset=rows("train", num_train), eval_dataset=rows("eval", num_eval), max_turns=turns,
+                        rubric=vf.Rubric(funcs=[chain_lcs]), **kwargs)
