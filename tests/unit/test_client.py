@@ -61,6 +61,7 @@ def test_a_later_turn_sends_the_sampled_ids_and_a_new_seed() -> None:
     state = {"trajectory": [turn(first_prompt, first, messages[:1], "3")]}
     out = asyncio.run(c.get_native_response(messages, "rlray", {"max_tokens": 4, "seed": 5}, state=state))
     (render_path, render), (gen_path, gen) = fake.calls
+    assert render_path.endswith("/chat/completions/render") and gen_path.endswith("/inference/v1/generate")
     assert render["messages"] == messages and render["max_completion_tokens"] == 4
     expected = [*first_prompt, *first, *ids("higher=")]  # sampled ids as sampled, then only the new message
     assert gen["token_ids"] == expected
