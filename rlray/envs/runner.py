@@ -3,7 +3,8 @@
 Contract:
 - `EnvRunner(envs, engine, tokenizer, clients, cfg, version=..., server=..., chat_template=...)`
   drives verifiers environments (`Env`, weighted) with `clients`, verifiers clients of the
-  actor's OpenAI endpoint (`rlray.server`; `rlray.envs.client.make_clients`). `version()` is the actor's policy version.
+  actor's OpenAI endpoint (`rlray.server`; `rlray.envs.client.make_clients`). `version()` is
+  the actor's policy version.
 - `train_row(ticket) -> (env, row)`: the training row of buffer ticket `ticket`, a pure
   function of the ticket (so a resumed run, or a replacement actor, draws the same): the
   environment drawn by weight with a generator seeded by `run_seed` and the ticket, its
