@@ -168,7 +168,7 @@ def test_tool_env_with_a_hanging_tool_trains_end_to_end(ray_cluster, tmp_path) -
 def test_multi_turn_game_trains_on_every_rollout(ray_cluster, tmp_path) -> None:
     """guess_number, four turns of higher/lower: every rollout is token-exact (none flagged), so every
     model turn carries loss; long turns let the random model end most of its turns with eos."""
-    c = tiny_config(tmp_path, env={"id": "guess_number", "args": {"max_turns": 4}},
+    c = tiny_config(tmp_path, "env.args={max_turns:4}", env={"id": "guess_number"},
                     rollout={"max_tokens": 48, "max_model_len": 256}, rl={"steps": 2},
                     eval={"num_examples": 4})
     c.stages = ["rl"]
