@@ -66,10 +66,11 @@ def biased_sampling_args(sampling_args: dict[str, Any] | None) -> list[str]:
     return out
 
 
-def render_prompt(tokenizer: Any, messages: list, chat_template: str | None, tools: list | None = None) -> list[int]:
+def render_prompt(tokenizer: Any, messages: list, chat_template: str | None, tools: list | None = None,
+                  generation_prompt: bool = True) -> list[int]:
     """Prompt ids as the endpoint renders them (same chat template, no extra special tokens)."""
     text = tokenizer.apply_chat_template([dict(m) for m in messages], tools=tools, tokenize=False,
-                                         add_generation_prompt=True, chat_template=chat_template)
+                                         add_generation_prompt=generation_prompt, chat_template=chat_template)
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from rlray.envs.base import render_prompt
+
 STAND_IN = "x"  # the stand-in assistant's content: one character every vocabulary has
 CACHE_SIZE = 4096
 
@@ -48,10 +50,7 @@ class TurnBridge:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def render(self, messages: list, tools: list | None, generation_prompt: bool) -> list[int]:
-        text = self.tokenizer.apply_chat_template([dict(m) for m in messages], tools=tools, tokenize=False,
-                                                  add_generation_prompt=generation_prompt,
-                                                  chat_template=self.template)
-        return self.ids(text)
+        return render_prompt(self.tokenizer, messages, self.template, tools, generation_prompt)
 
     def next_prompt(self, prompt_ids: list[int], completion_ids: list[int], new_messages: list,
                     tools: list | None = None) -> list[int]:
