@@ -59,10 +59,13 @@ class BufferActor:
         num_ranks: int,
         micro_batch_tokens: int,
         pad_id: int,
+        packed: bool = True,
+        cp: int = 1,
     ) -> None:
         self.algo = algo
         self.G, self.k = groups_per_step, max_off_policy_steps
         self.num_ranks, self.micro_batch_tokens, self.pad_id = num_ranks, micro_batch_tokens, pad_id
+        self.packed, self.cp = packed, cp  # the trainer's layout: sequences packed per row, context-parallel degree
         self.queue: deque[Group] = deque()
         self.issued = 0
         self.released = 0
@@ -159,7 +162,8 @@ class BufferActor:
         per_rank: list[list[MicroBatch]] = [[] for _ in range(self.num_ranks)]
         for i in range(m):
             share = samples[i * size:(i + 1) * size] if i < m - 1 else samples[i * size:]
-            for rank, mbs in enumerate(pack(share, self.num_ranks, self.micro_batch_tokens, self.pad_id)):
+            for rank, mbs in enumerate(pack(share, self.num_ranks, self.micro_batch_tokens, self.pad_id,
+                                              self.packed, self.cp)):
                 for mb in mbs:
                     mb.mini_batch = i
                 per_rank[rank].extend(mbs)

@@ -152,7 +152,7 @@ def spawn(c: Config, pad_id: int) -> Handles:
     rollouts = [spawn_rollout(c, i, rpg) for i in range(r.num_actors)]
     buffer = ray.remote(BufferActor).options(name="buffer", num_cpus=0).remote(
         c.algo, c.rl.batch_size // r.group_size, c.async_.max_off_policy_steps, t.num_ranks,
-        t.micro_batch_tokens, pad_id)
+        t.micro_batch_tokens, pad_id, t.packing, t.cp)
     return Handles(trainers, rollouts, buffer, [tpg, rpg])
 
 

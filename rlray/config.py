@@ -51,9 +51,11 @@ class TrainerConfig:
     beta1: float = 0.9
     beta2: float = 0.999
     max_grad_norm: float = 1.0
-    micro_batch_tokens: int = 8192
+    micro_batch_tokens: int = 8192  # tokens per micro-batch row (packed: several sequences, no padding)
+    packing: bool = True  # False: one right-padded row per sequence (the baseline packing is measured against)
     param_dtype: str = "float32"  # compute dtype of forward/backward; master weights and reductions stay fp32
     ep: int = 1  # expert parallelism: ranks that split each MoE layer's experts (divides num_ranks)
+    cp: int = 1  # context parallelism: ranks that split each sequence (divides num_ranks; they share a batch)
     activation_checkpointing: bool = False  # recompute each decoder layer's activations in backward
     max_nonfinite_steps: int = 3  # NaN/inf loss or gradient: the step is skipped; this many in a row stop the run
     seed: int = 0

@@ -143,7 +143,8 @@ class Controller:
     # ---- stages -------------------------------------------------------------------
     def _sft_batch(self, step: int) -> list[list]:
         samples = self.sft_data.batch(step, self.c.sft.batch_size)
-        return pack(samples, len(self.h.trainers), self.c.trainer.micro_batch_tokens, self.tokenizer.pad_token_id)
+        t = self.c.trainer
+        return pack(samples, len(self.h.trainers), t.micro_batch_tokens, self.tokenizer.pad_token_id, t.packing, t.cp)
 
     def sft(self) -> None:
         s = self.c.sft

@@ -42,6 +42,7 @@ import torch.distributed as dist
 
 from rlray.algo.loss import get_loss, loss_normalizer, mismatch_kl
 from rlray.config import AlgoConfig, ModelConfig, TrainerConfig
+from rlray.data.packing import sequence_rows
 from rlray.models.load import build_model
 from rlray.models.tiny import model_path
 from rlray.parallel.dims import ParallelDims
@@ -98,19 +99,32 @@ class TrainerActor:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: min(1.0, (s + 1) / warm))
 
     def _tensors(self, mb: MicroBatch) -> dict[str, torch.Tensor]:
-        keys = ("input_ids", "attention_mask", "loss_mask", "advantages", "inference_logprobs")
-        t = {k: torch.tensor(np.asarray(getattr(mb, k)), device=self.device) for k in keys}
-        t["stale"] = (torch.tensor(mb.lag, device=self.device) > 0).float() if mb.lag is not None \
-            else torch.zeros_like(t["loss_mask"])
+        """The model's inputs as the micro-batch lays them out ([B, T], packed or padded); the
+        loss's inputs as one row per sequence ([N, L], `sequence_rows`), the layout losses read."""
+        index, valid = sequence_rows(mb.segment_ids)
+
+        def rows(x: np.ndarray) -> torch.Tensor:
+            return torch.tensor(np.where(valid, np.asarray(x).reshape(-1)[index], 0), device=self.device)
+
+        t = {k: torch.tensor(np.asarray(getattr(mb, k)), device=self.device) for k in ("input_ids", "position_ids")}
+        t.update(index=torch.tensor(index, device=self.device), valid=torch.tensor(valid, device=self.device))
+        t.update({k: rows(getattr(mb, k)) for k in ("loss_mask", "advantages", "inference_logprobs")})
+        t["stale"] = rows(mb.lag > 0).float() if mb.lag is not None else torch.zeros_like(t["loss_mask"])
         return t
 
-    def _token_logprobs(self, ids: torch.Tensor, attn: torch.Tensor, temperature: float) -> torch.Tensor:
-        """logp[b, t] of token ids[b, t] given ids[b, :t]; position 0 gets 0."""
-        logits = self.model(input_ids=ids, attention_mask=attn, use_cache=False).logits.float()
+    def _token_logprobs(self, t: dict[str, torch.Tensor], temperature: float,
+                        model: torch.nn.Module | None = None) -> torch.Tensor:
+        """logp[n, j] of sequence n's token j given its tokens before j, one row per sequence
+        ([N, L]); a sequence's first token gets 0. Attention never crosses a sequence: the
+        position ids restart at each, which transformers turns into a block-causal mask
+        (varlen attention with flash kernels)."""
+        ids, pos = t["input_ids"], t["position_ids"]
+        logits = (model or self.model)(input_ids=ids, position_ids=pos, use_cache=False).logits.float()
         if temperature > 0:
             logits = logits / temperature
         logp = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
-        return torch.nn.functional.pad(logp, (1, 0))
+        logp = torch.where(pos == 0, 0.0, torch.nn.functional.pad(logp, (1, 0)))
+        return torch.where(t["valid"], logp.reshape(-1)[t["index"]], 0.0)
 
     def forward_backward(self, micro_batches: list[MicroBatch], rl: bool,
                          prox: list[torch.Tensor] | None = None) -> dict[str, float]:
@@ -119,14 +133,14 @@ class TrainerActor:
         `prox`: per micro-batch, the proximal policy's logprobs (see `train_step`)."""
         self.model.train()
         self.expert_load.reset(self.device)
-        sums: dict[str, float] = {"loss": 0.0, "mismatch_kl": 0.0, "ratio_outside": 0.0, "tokens": 0.0}
+        sums: dict[str, float] = {"loss": 0.0, "mismatch_kl": 0.0, "ratio_outside": 0.0, "tokens": 0.0, "_slots": 0.0}
         for i, mb in enumerate(micro_batches):
             t = self._tensors(mb)
             norm = loss_normalizer(self.algo, mb) if rl else mb.num_loss_tokens_global
             denom = norm / self.world_size  # FSDP averages gradients over ranks
             # before the policy's forward, while its parameters are sharded (the reference copies shards)
             ref = self._reference_logprobs(t) if rl and self.ref_model is not None else None
-            logp = self._token_logprobs(t["input_ids"], t["attention_mask"], self.temperature if rl else 1.0)
+            logp = self._token_logprobs(t, self.temperature if rl else 1.0)
             if rl:
                 old = prox[i] if prox else None
                 mu = t["inference_logprobs"]  # NaN: mu unknown (biased sampling), the batch-start policy stands in
@@ -140,7 +154,8 @@ class TrainerActor:
                 loss_sum = -(logp * t["loss_mask"]).sum()
             (loss_sum / denom).backward()
             sums["loss"] += float(loss_sum.detach())
-            sums["tokens"] += float(t["attention_mask"].sum())
+            sums["tokens"] += float(mb.num_tokens)
+            sums["_slots"] += float(mb.num_slots)
         sums["_norm"] = norm
         return sums
 
@@ -188,21 +203,16 @@ class TrainerActor:
         out = []
         for mb in micro_batches:
             t = self._tensors(mb)
-            out.append(self._token_logprobs(t["input_ids"], t["attention_mask"], self.temperature))
+            out.append(self._token_logprobs(t, self.temperature))
         self.model.reshard()
         return out
 
     @torch.no_grad()
     def _reference_logprobs(self, t: dict[str, torch.Tensor]) -> torch.Tensor:
         self._snapshot_reference()  # same FSDP layout, so each rank copies its own shards
-        logits = self.ref_model(input_ids=t["input_ids"], attention_mask=t["attention_mask"],
-                                use_cache=False).logits.float()
-        if self.temperature > 0:
-            logits = logits / self.temperature
-        logp = torch.log_softmax(logits[:, :-1], dim=-1)
+        logp = self._token_logprobs(t, self.temperature, self.ref_model)
         self.ref_model.reshard()
-        logp = logp.gather(-1, t["input_ids"][:, 1:, None]).squeeze(-1)
-        return torch.nn.functional.pad(logp, (1, 0))
+        return logp
 
     def _reduce(self, sums: dict[str, float], n_loss: float, grad_norm: torch.Tensor,
                 loss_norm: float | None = None) -> dict[str, float]:
@@ -217,6 +227,7 @@ class TrainerActor:
         for key in ("mismatch_kl", "stale_kl"):  # RL: per token of their own kind
             if f"_{key}" in out:
                 out[key] = out.pop(f"_{key}") / max(out.pop(f"_{key}_tokens"), 1.0)
+        out["padding_frac"] = 1.0 - out["tokens"] / max(out.pop("_slots"), 1.0)  # of the positions computed
         out["grad_norm"] = float(grad_norm)
         out["lr"] = self.scheduler.get_last_lr()[0]  # the rate this step applies
         return out
@@ -250,8 +261,9 @@ class TrainerActor:
     @torch.no_grad()
     def logprobs(self, token_ids: list[int], start: int, temperature: float = 1.0) -> list[float]:
         self.model.eval()
-        ids = torch.tensor([token_ids], device=self.device)
-        logp = self._token_logprobs(ids, torch.ones_like(ids), temperature)
+        ones = np.ones((1, len(token_ids)), np.int64)
+        mb = MicroBatch(np.asarray([token_ids], np.int64), ones, *(np.zeros(ones.shape, np.float32),) * 3)
+        logp = self._token_logprobs(self._tensors(mb), temperature)
         self.model.reshard()
         return logp[0, start:].tolist()
 

@@ -56,10 +56,13 @@ class Group:
 
 @dataclass
 class MicroBatch:
-    """Right-padded sequences for one forward/backward on one trainer rank.
+    """Rows of sequences for one forward/backward on one trainer rank (rlray.data.packing).
 
     Every [B, T] array is aligned on input positions: `loss_mask[b, t] = 1` means
-    token `input_ids[b, t]` is a trained target, predicted from position t-1.
+    token `input_ids[b, t]` is a trained target, predicted from position t-1 of the same
+    sequence. A row holds one sequence (padded layout) or several back to back (packed):
+    `segment_ids[b, t]` numbers the sequence token t belongs to (-1: padding) and
+    `position_ids` restart at 0 for each sequence.
     """
 
     input_ids: np.ndarray  # int64 [B, T]
@@ -72,6 +75,21 @@ class MicroBatch:
     lag: np.ndarray | None = None  # int64 [B, T]: trainer step minus the sampling policy's version (0: on-policy)
     mini_batch: int = 0  # the optimizer step (of algo.mini_batches) this micro-batch belongs to; the
     # global counts above are that mini-batch's
+    position_ids: np.ndarray | None = None  # int64 [B, T]; None: 0..T-1 in every row
+    segment_ids: np.ndarray | None = None  # int64 [B, T]; None: one sequence per row, padding off the mask
+
+    def __post_init__(self) -> None:
+        B, T = np.shape(self.input_ids)
+        if self.position_ids is None:
+            self.position_ids = np.tile(np.arange(T, dtype=np.int64), (B, 1))
+        if self.segment_ids is None:
+            rows = np.repeat(np.arange(B, dtype=np.int64)[:, None], T, axis=1)
+            self.segment_ids = np.where(np.asarray(self.attention_mask) > 0, rows, -1)
+
+    @property
+    def num_slots(self) -> int:
+        """Token positions the forward computes, padding included."""
+        return int(np.size(self.input_ids))
 
     @property
     def num_tokens(self) -> int:

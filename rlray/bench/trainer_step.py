@@ -86,7 +86,8 @@ class BareLoop:
         for mb in micro_batches:
             ids = torch.from_numpy(mb.input_ids)
             mask, adv = torch.from_numpy(mb.loss_mask), torch.from_numpy(mb.advantages)
-            logits = self.model(input_ids=ids, attention_mask=torch.from_numpy(mb.attention_mask)).logits.float()
+            pos = torch.from_numpy(mb.position_ids)  # restarting per packed sequence: transformers masks block-causally
+            logits = self.model(input_ids=ids, position_ids=pos, use_cache=False).logits.float()
             logp = torch.log_softmax(logits[:, :-1] / TEMPERATURE, dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
             loss = -(logp * adv[:, 1:] * mask[:, 1:]).sum() / mb.num_loss_tokens_global
             loss.backward()

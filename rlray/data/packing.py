@@ -1,10 +1,19 @@
-"""Packing of rollouts into right-padded micro-batches, balanced across trainer ranks.
+"""Packing of training sequences into micro-batches, balanced across trainer ranks by tokens.
 
-Contract: `pack(samples, num_ranks, micro_batch_tokens, ...)` returns one list of
-`MicroBatch` per rank. Every rank gets the same number of micro-batches (FSDP runs
-collectives per forward), padding with a fully masked micro-batch where needed.
-Samples are dealt to ranks longest-first onto the least-loaded rank, then cut into
-micro-batches of at most `micro_batch_tokens` padded tokens.
+Contract: `pack(samples, num_ranks, micro_batch_tokens, pad_id, packed=True, cp=1)` returns one
+list of `MicroBatch` per rank. Samples are dealt longest-first onto the least-loaded of the
+`num_ranks / cp` data-parallel ranks (the `cp` ranks of a context-parallel group share their
+micro-batches). Then
+- packed (default): first-fit decreasing into rows of at most `micro_batch_tokens` tokens, one
+  row per micro-batch, several sequences per row with no padding; `position_ids` restart at 0
+  for each sequence and `segment_ids` number the sequences, so attention stays inside each one
+  (block-causal) and the trainer can read every sequence back out;
+- padded (`packed=False`): one right-padded row per sequence, at most `micro_batch_tokens`
+  padded tokens per micro-batch (the layout before packing, kept as the baseline).
+Every rank gets the same number of micro-batches (FSDP runs collectives per forward), padding
+with a fully masked one where needed. A sequence longer than `micro_batch_tokens` gets a row
+of its own. `sequence_rows(segment_ids)` gives the gather index from a micro-batch's tokens to
+one row per sequence, the layout the losses read.
 """
 
 from __future__ import annotations
@@ -41,7 +50,7 @@ def _deal(samples: list[Sample], num_ranks: int) -> list[list[Sample]]:
     return ranks
 
 
-def _cut(samples: list[Sample], budget: int) -> list[list[Sample]]:
+def _cut_padded(samples: list[Sample], budget: int) -> list[list[Sample]]:
     chunks: list[list[Sample]] = []
     current: list[Sample] = []
     for s in samples:  # already longest-first, so padded size = count * first length
@@ -54,40 +63,74 @@ def _cut(samples: list[Sample], budget: int) -> list[list[Sample]]:
     return chunks
 
 
-def to_micro_batch(samples: list[Sample], pad_id: int) -> MicroBatch:
-    T = max(len(s) for s in samples)
-    B = len(samples)
-    ids = np.full((B, T), pad_id, dtype=np.int64)
-    attn = np.zeros((B, T), dtype=np.int64)
-    mask = np.zeros((B, T), dtype=np.float32)
-    adv = np.zeros((B, T), dtype=np.float32)
-    logp = np.zeros((B, T), dtype=np.float32)
-    lag = np.zeros((B, T), dtype=np.int64)
-    for b, s in enumerate(samples):
-        p, c = len(s.prompt_ids), len(s.completion_ids)
-        ids[b, :p] = s.prompt_ids
-        ids[b, p:p + c] = s.completion_ids
-        attn[b, :p + c] = 1
-        mask[b, p:p + c] = s.loss_mask
-        adv[b, p:p + c] = s.advantage
-        logp[b, p:p + c] = s.logprobs
-        if s.lag is not None:
-            lag[b, p:p + c] = s.lag
-    return MicroBatch(ids, attn, mask, adv, logp, lag=lag)
+def _fill_rows(samples: list[Sample], budget: int) -> list[list[Sample]]:
+    """First-fit decreasing: each sample (longest first) goes into the first row it fits in."""
+    rows: list[list[Sample]] = []
+    used: list[int] = []
+    for s in samples:
+        i = next((i for i, u in enumerate(used) if u + len(s) <= budget), len(rows))
+        if i == len(rows):
+            rows.append([])
+            used.append(0)
+        rows[i].append(s)
+        used[i] += len(s)
+    return rows
 
 
-def pack(samples: list[Sample], num_ranks: int, micro_batch_tokens: int, pad_id: int) -> list[list[MicroBatch]]:
-    per_rank = [_cut(r, micro_batch_tokens) for r in _deal(samples, num_ranks)]
-    count = max(1, max(len(chunks) for chunks in per_rank))
+def to_micro_batch(rows: list[list[Sample]], pad_id: int) -> MicroBatch:
+    """Rows of sequences, each row's sequences back to back, rows right-padded to the longest."""
+    T = max(sum(len(s) for s in row) for row in rows)
+    shape = (len(rows), T)
+    ids = np.full(shape, pad_id, dtype=np.int64)
+    attn, lag, seg = np.zeros(shape, np.int64), np.zeros(shape, np.int64), np.full(shape, -1, np.int64)
+    pos = np.tile(np.arange(T, dtype=np.int64), (len(rows), 1))  # padding continues the last sequence's count
+    mask, adv, logp = (np.zeros(shape, np.float32) for _ in range(3))
+    n = 0
+    for b, row in enumerate(rows):
+        at = 0
+        for s in row:
+            p, c = len(s.prompt_ids), len(s.completion_ids)
+            span, done = slice(at, at + p + c), slice(at + p, at + p + c)
+            ids[b, at:at + p], ids[b, done] = s.prompt_ids, s.completion_ids
+            attn[b, span], seg[b, span] = 1, n
+            pos[b, span] = np.arange(p + c)
+            pos[b, at + p + c:] = np.arange(p + c, p + c + T - (at + p + c))
+            mask[b, done], adv[b, done], logp[b, done] = s.loss_mask, s.advantage, s.logprobs
+            if s.lag is not None:
+                lag[b, done] = s.lag
+            at, n = at + p + c, n + 1
+    return MicroBatch(ids, attn, mask, adv, logp, lag=lag, position_ids=pos, segment_ids=seg)
+
+
+def sequence_rows(segment_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """`(index, valid)`, both [N, L]: `index[n, j]` is the flat position (in `segment_ids.ravel()`)
+    of sequence n's j-th token, `valid` where j < its length (index 0 elsewhere)."""
+    flat = segment_ids.ravel()
+    n = int(flat.max()) + 1 if flat.size and flat.max() >= 0 else 0
+    positions = [np.flatnonzero(flat == i) for i in range(n)]
+    L = max((len(p) for p in positions), default=0)
+    index, valid = np.zeros((n, L), np.int64), np.zeros((n, L), bool)
+    for i, p in enumerate(positions):
+        index[i, :len(p)], valid[i, :len(p)] = p, True
+    return index, valid
+
+
+def pack(samples: list[Sample], num_ranks: int, micro_batch_tokens: int, pad_id: int,
+         packed: bool = True, cp: int = 1) -> list[list[MicroBatch]]:
+    dp = num_ranks // cp
+    if packed:
+        per_dp = [[[row] for row in _fill_rows(r, micro_batch_tokens)] for r in _deal(samples, dp)]
+    else:
+        per_dp = [[[[s] for s in chunk] for chunk in _cut_padded(r, micro_batch_tokens)] for r in _deal(samples, dp)]
+    count = max(1, max(len(mbs) for mbs in per_dp))
     total = float(sum(s.loss_mask.sum() for s in samples))
     sequences = float(sum(s.loss_mask.sum() > 0 for s in samples))
     filler = Sample(np.array([pad_id]), np.array([pad_id]), np.zeros(1, np.float32), 0.0, np.zeros(1, np.float32))
     out: list[list[MicroBatch]] = []
-    for chunks in per_rank:
-        chunks = chunks + [[filler]] * (count - len(chunks))
-        mbs = [to_micro_batch(c, pad_id) for c in chunks]
+    for mbs_rows in per_dp:
+        mbs = [to_micro_batch(rows, pad_id) for rows in mbs_rows + [[[filler]]] * (count - len(mbs_rows))]
         for mb in mbs:
             mb.num_loss_tokens_global = max(total, 1.0)
             mb.num_sequences_global = max(sequences, 1.0)
-        out.append(mbs)
+        out.extend([mbs] * cp)
     return out

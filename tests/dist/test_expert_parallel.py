@@ -47,7 +47,7 @@ def reference(path: str) -> dict:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    (mb,) = pack(samples(), 1, micro_batch_tokens=4096, pad_id=0)[0]
+    (mb,) = pack(samples(), 1, micro_batch_tokens=4096, pad_id=0, packed=False)[0]  # a padded row each
     ids, mask = torch.tensor(mb.input_ids), torch.tensor(mb.loss_mask)
     logits = model(input_ids=ids, attention_mask=torch.tensor(mb.attention_mask)).logits
     logp = torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
