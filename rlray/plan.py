@@ -99,7 +99,7 @@ def model_shape(c: Config) -> ModelShape:
 
 
 def _activations(s: ModelShape, c: Config, checkpointing: bool) -> float:
-    t, b = c.trainer.micro_batch_tokens, BYTES[c.trainer.param_dtype]
+    t, b = c.trainer.micro_batch_tokens // c.trainer.cp, BYTES[c.trainer.param_dtype]  # each cp rank: 1/cp of a row
     hidden, heads, kv = s.dim("hidden_size"), s.dim("num_attention_heads"), s.dim("num_key_value_heads")
     head_dim = s.dim("head_dim", hidden // max(heads, 1))
     if s.experts:
@@ -117,7 +117,7 @@ def trainer_memory(s: ModelShape, c: Config) -> dict[str, float]:
     """Estimated bytes per trainer rank, by part."""
     n, ep, b = c.trainer.num_ranks, c.trainer.ep, BYTES[c.trainer.param_dtype]
     layer = s.layer_dense + s.layer_experts / ep
-    t, vocab = c.trainer.micro_batch_tokens, s.dim("vocab_size")
+    t, vocab = c.trainer.micro_batch_tokens // c.trainer.cp, s.dim("vocab_size")
     return {"fp32 weights": 4 * s.params / n, "fp32 gradients": 4 * s.params / n, "AdamW state": 8 * s.params / n,
             "gathered layers": layer * (2 * b + 4) + s.root_params * b,
             "activations": _activations(s, c, c.trainer.activation_checkpointing),
@@ -203,7 +203,7 @@ class Plan:
         """One line for the console of a real run (the whole plan goes to plan.txt)."""
         d, e = self.dims, self.engine
         return (f"plan: {self.shape.name}, {human(self.shape.params)} parameters; trainer dp_shard={d.dp_shard} "
-                f"ep={d.ep}, ~{sum(self.trainer.values()) / GB:.1f} GB per rank; {self.c.rollout.num_actors} engine(s) "
+                f"ep={d.ep} cp={d.cp}, ~{sum(self.trainer.values()) / GB:.1f} GB per rank; {self.c.rollout.num_actors} engine(s) "
                 f"x TP {self.c.rollout.tensor_parallel_size}, {e['weights'] / GB:.2f} GB weights each")
 
     def render(self) -> str:
@@ -240,7 +240,7 @@ class Plan:
 
 def make_plan(c: Config) -> Plan:
     shape = model_shape(c)
-    dims = ParallelDims(c.trainer.num_ranks, ep=c.trainer.ep)
+    dims = ParallelDims(c.trainer.num_ranks, ep=c.trainer.ep, cp=c.trainer.cp)
     other = _activations(shape, c, not c.trainer.activation_checkpointing)
     return Plan(c, shape, dims, trainer_memory(shape, c), engine_memory(shape, c), other)
 

@@ -45,6 +45,7 @@ from rlray.config import AlgoConfig, ModelConfig, TrainerConfig
 from rlray.data.packing import sequence_rows
 from rlray.models.load import build_model
 from rlray.models.tiny import model_path
+from rlray.parallel import context
 from rlray.parallel.dims import ParallelDims
 from rlray.parallel.expert import ExpertLoad
 from rlray.parallel.parallelize import DTYPES, clip_grad_norm_, param_groups
@@ -78,8 +79,11 @@ class TrainerActor:
         torch.manual_seed(self.cfg.seed)
         # Gathering an expert weight (EP x FSDP) takes two all-gathers; torch warns of it on every one.
         logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
-        self.dims = ParallelDims(self.world_size, ep=self.cfg.ep)
+        self.dims = ParallelDims(self.world_size, ep=self.cfg.ep, cp=self.cfg.cp)
         self.dims.build_meshes(self.device.type)
+        if self.dims.cp_enabled:
+            cp = self.dims.mesh("cp")
+            self.cp_group, self.cp_rank = cp.get_group(), cp.get_local_rank()
         path = model_path(self.model_cfg)
         self.model = build_model(path, self.dims, self.cfg, self.device)
         self.expert_load = ExpertLoad(self.model)
@@ -98,32 +102,50 @@ class TrainerActor:
         warm = max(1, warmup_steps)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: min(1.0, (s + 1) / warm))
 
-    def _tensors(self, mb: MicroBatch) -> dict[str, torch.Tensor]:
-        """The model's inputs as the micro-batch lays them out ([B, T], packed or padded); the
-        loss's inputs as one row per sequence ([N, L], `sequence_rows`), the layout losses read."""
+    def _tensors(self, mb: MicroBatch) -> dict[str, Any]:
+        """The model's inputs as the micro-batch lays them out ([B, T], packed or padded; with
+        context parallelism this rank's positions of each sequence, [B, Tl]), each position's
+        next token (`targets`), and the loss's inputs as one row per sequence ([N, L],
+        `sequence_rows`), the layout the losses read."""
         index, valid = sequence_rows(mb.segment_ids)
 
         def rows(x: np.ndarray) -> torch.Tensor:
             return torch.tensor(np.where(valid, np.asarray(x).reshape(-1)[index], 0), device=self.device)
 
-        t = {k: torch.tensor(np.asarray(getattr(mb, k)), device=self.device) for k in ("input_ids", "position_ids")}
-        t.update(index=torch.tensor(index, device=self.device), valid=torch.tensor(valid, device=self.device))
+        ids, pos = np.asarray(mb.input_ids), np.asarray(mb.position_ids)
+        targets, scope = np.pad(ids[:, 1:], ((0, 0), (0, 1))), None
+        first = torch.tensor(pos == 0, device=self.device)  # a sequence's first token: nothing predicts it
+        if self.dims.cp_enabled:
+            shards, inverse = context.shard(pos, mb.segment_ids, self.dims.cp)
+            scope = context.Scope(self.cp_group, self.cp_rank, shards, inverse, self.device)
+            src = shards[self.cp_rank].source
+            ids, targets = (np.where(src >= 0, np.take_along_axis(x, np.maximum(src, 0), 1), 0) for x in (ids, targets))
+            pos = shards[self.cp_rank].position_ids
+        t: dict[str, Any] = {k: torch.tensor(v, device=self.device)
+                             for k, v in (("input_ids", ids), ("position_ids", pos), ("targets", targets))}
+        t.update(first=first, scope=scope, index=torch.tensor(index, device=self.device),
+                 valid=torch.tensor(valid, device=self.device))
         t.update({k: rows(getattr(mb, k)) for k in ("loss_mask", "advantages", "inference_logprobs")})
         t["stale"] = rows(mb.lag > 0).float() if mb.lag is not None else torch.zeros_like(t["loss_mask"])
         return t
 
-    def _token_logprobs(self, t: dict[str, torch.Tensor], temperature: float,
+    def _token_logprobs(self, t: dict[str, Any], temperature: float,
                         model: torch.nn.Module | None = None) -> torch.Tensor:
         """logp[n, j] of sequence n's token j given its tokens before j, one row per sequence
         ([N, L]); a sequence's first token gets 0. Attention never crosses a sequence: the
         position ids restart at each, which transformers turns into a block-causal mask
-        (varlen attention with flash kernels)."""
-        ids, pos = t["input_ids"], t["position_ids"]
-        logits = (model or self.model)(input_ids=ids, position_ids=pos, use_cache=False).logits.float()
+        (varlen attention with flash kernels); under context parallelism the scope's mask
+        does the same over the gathered keys, and the next-token logprobs of every rank of the
+        group are gathered back into the micro-batch's layout."""
+        with context.active(t["scope"]):
+            logits = (model or self.model)(input_ids=t["input_ids"], position_ids=t["position_ids"],
+                                           use_cache=False).logits.float()
         if temperature > 0:
             logits = logits / temperature
-        logp = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
-        logp = torch.where(pos == 0, 0.0, torch.nn.functional.pad(logp, (1, 0)))
+        nxt = torch.log_softmax(logits, dim=-1).gather(-1, t["targets"][..., None]).squeeze(-1)
+        if t["scope"] is not None:
+            nxt = t["scope"].gather(nxt)
+        logp = torch.where(t["first"], 0.0, torch.nn.functional.pad(nxt[:, :-1], (1, 0)))
         return torch.where(t["valid"], logp.reshape(-1)[t["index"]], 0.0)
 
     def forward_backward(self, micro_batches: list[MicroBatch], rl: bool,
@@ -137,27 +159,36 @@ class TrainerActor:
         for i, mb in enumerate(micro_batches):
             t = self._tensors(mb)
             norm = loss_normalizer(self.algo, mb) if rl else mb.num_loss_tokens_global
-            denom = norm / self.world_size  # FSDP averages gradients over ranks
-            # before the policy's forward, while its parameters are sharded (the reference copies shards)
-            ref = self._reference_logprobs(t) if rl and self.ref_model is not None else None
-            logp = self._token_logprobs(t, self.temperature if rl else 1.0)
-            if rl:
-                old = prox[i] if prox else None
-                mu = t["inference_logprobs"]  # NaN: mu unknown (biased sampling), the batch-start policy stands in
-                mu = torch.where(torch.isnan(mu), logp.detach() if old is None else old, mu)
-                loss_sum, stats = self.loss_fn(logp, mu, t["advantages"], t["loss_mask"], self.algo,
-                                               logp_ref=ref, logp_prox=old)
-                for k, v in stats.items():
-                    sums[k] = sums.get(k, 0.0) + float(v)
-                self._split_mismatch(sums, logp, mu, t)
-            else:
-                loss_sum = -(logp * t["loss_mask"]).sum()
-            (loss_sum / denom).backward()
-            sums["loss"] += float(loss_sum.detach())
-            sums["tokens"] += float(mb.num_tokens)
-            sums["_slots"] += float(mb.num_slots)
+            # FSDP averages gradients over every rank; the cp ranks of a group each hold the whole
+            # loss of their shared batch, and their gradients add up to its gradient.
+            denom = norm * self.dims.cp / self.world_size
+            with context.active(t["scope"]):  # backward recomputes attention under checkpointing
+                self._micro_step(sums, mb, t, rl, denom, prox[i] if prox else None)
+        if self.dims.cp_enabled:  # every rank of a cp group counted the same sums
+            sums = {k: v / self.dims.cp for k, v in sums.items()}
         sums["_norm"] = norm
         return sums
+
+    def _micro_step(self, sums: dict[str, float], mb: MicroBatch, t: dict[str, Any], rl: bool, denom: float,
+                    old: torch.Tensor | None) -> None:
+        """One micro-batch's forward and backward, its sums added to `sums`."""
+        # before the policy's forward, while its parameters are sharded (the reference copies shards)
+        ref = self._reference_logprobs(t) if rl and self.ref_model is not None else None
+        logp = self._token_logprobs(t, self.temperature if rl else 1.0)
+        if rl:
+            mu = t["inference_logprobs"]  # NaN: mu unknown (biased sampling), the batch-start policy stands in
+            mu = torch.where(torch.isnan(mu), logp.detach() if old is None else old, mu)
+            loss_sum, stats = self.loss_fn(logp, mu, t["advantages"], t["loss_mask"], self.algo,
+                                           logp_ref=ref, logp_prox=old)
+            for k, v in stats.items():
+                sums[k] = sums.get(k, 0.0) + float(v)
+            self._split_mismatch(sums, logp, mu, t)
+        else:
+            loss_sum = -(logp * t["loss_mask"]).sum()
+        (loss_sum / denom).backward()
+        sums["loss"] += float(loss_sum.detach())
+        sums["tokens"] += float(mb.num_tokens)
+        sums["_slots"] += float(mb.num_slots)
 
     @staticmethod
     def _split_mismatch(sums: dict[str, float], logp: torch.Tensor, mu: torch.Tensor,

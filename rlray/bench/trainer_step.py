@@ -1,12 +1,14 @@
-"""trainer: tokens/s of rlray's `TrainerActor.train_step` against a bare FSDP2 loop, same model and batch.
+"""trainer: tokens/s of rlray's `TrainerActor.train_step` against a bare FSDP2 loop, same model and batch;
+and of packed against padded micro-batches on an agentic length distribution (a few long, many short).
 
 Both run in the same `--ranks` gloo processes (torch.multiprocessing, no Ray), on the same
 packed RL batch (the default recipe's shape: `--batch` completions of reverse_text prompts,
 completions of 4-16 tokens, packed by `rlray.data.packing.pack` as the buffer does), one
 torch thread per rank as Ray gives each trainer actor. The bare loop is what any FSDP2 user
 would write: `fully_shard` per decoder layer and the root, AdamW, tempered log-softmax,
-advantage-weighted token sum over the global token count, backward, clip, step. Timed blocks
-of steps alternate between the two (rlray, bare, bare, rlray, ...) so load changes hit both
+advantage-weighted token sum over the global token count, backward, clip, step. The packed
+and padded paths are `train_step` on one agentic-shaped batch laid out both ways. Timed blocks
+of steps alternate between the paths (in order, then in reverse) so load changes hit all
 alike; a step is timed on rank 0 between barriers. tokens/s counts real (unpadded) tokens of the
 whole step over every rank.
 """
@@ -32,8 +34,10 @@ MODELS: dict[str, dict[str, int]] = {
     "small": {"hidden_size": 512, "num_layers": 8, "num_heads": 8, "num_kv_heads": 4, "head_dim": 64,
               "intermediate_size": 1536},  # ~25M parameters
 }
-QUICK = {"models": ["tiny2"], "batch": 32, "rounds": 3, "steps": 1, "warmup": 1}
-FULL = {"models": ["tiny", "small"], "batch": 128, "rounds": 12, "steps": 1, "warmup": 2}
+QUICK = {"models": ["tiny2"], "batch": 32, "rounds": 3, "steps": 1, "warmup": 1, "agentic_batch": 16,
+         "agentic_tokens": 1024}
+FULL = {"models": ["tiny", "small"], "batch": 128, "rounds": 12, "steps": 1, "warmup": 2, "agentic_batch": 64,
+        "agentic_tokens": 2048}
 TEMPERATURE = 0.7
 
 
@@ -61,6 +65,22 @@ def rl_batch(num_ranks: int, n: int, pad_id: int, seed: int = 0) -> list[list[An
         samples.append(Sample(prompt, completion, np.ones(len(completion), np.float32), float(rng.normal()),
                               np.full(len(completion), -2.0, np.float32)))
     return pack(samples, num_ranks, micro_batch_tokens=8192, pad_id=pad_id)
+
+
+def agentic_batch(num_ranks: int, n: int, packed: bool, micro_batch_tokens: int, seed: int = 1) -> list[list[Any]]:
+    """`n` sequences shaped like agentic rollouts: one in eight long (a 64-token prompt, 192-440
+    completion tokens: many turns), the rest short (16-32 + 8-40), random tokens."""
+    from rlray.data.packing import Sample, pack
+
+    rng = np.random.default_rng(seed)
+    samples = []
+    for i in range(n):
+        long = i % 8 == 0
+        prompt = rng.integers(4, 40, size=64 if long else int(rng.integers(16, 33)))
+        completion = rng.integers(4, 40, size=int(rng.integers(192, 441) if long else rng.integers(8, 41)))
+        samples.append(Sample(prompt, completion, np.ones(len(completion), np.float32), float(rng.normal()),
+                              np.full(len(completion), -2.0, np.float32)))
+    return pack(samples, num_ranks, micro_batch_tokens, pad_id=0, packed=packed)
 
 
 class BareLoop:
@@ -94,7 +114,7 @@ class BareLoop:
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
-        return float(loss)
+        return float(loss.detach())
 
 
 def _worker(rank: int, world: int, port: int, model_name: str, opts: dict[str, Any], out: str) -> None:
@@ -112,16 +132,21 @@ def _worker(rank: int, world: int, port: int, model_name: str, opts: dict[str, A
     actor.setup()
     bare = BareLoop(model_path(cfg), world, lr=TrainerConfig().lr)
     params = sum(p.numel() for p in bare.model.parameters())  # DTensor.numel() is the full tensor's
-    batch = rl_batch(world, opts["batch"], pad_id=0)
-    mine = batch[rank]
-    tokens = int(sum(mb.num_tokens for per_rank in batch for mb in per_rank))
-    padded = int(sum(mb.input_ids.size for per_rank in batch for mb in per_rank))
-    paths = {"rlray": lambda: actor.train_step(mine), "bare": lambda: bare.step(mine)}
+    batches = {"rlray": rl_batch(world, opts["batch"], pad_id=0)}
+    batches["bare"] = batches["rlray"]
+    for layout in ("packed", "padded"):
+        batches[layout] = agentic_batch(world, opts["agentic_batch"], layout == "packed", opts["agentic_tokens"])
+    sizes = {k: {"tokens": int(sum(mb.num_tokens for mbs in b for mb in mbs)),
+                 "slots": int(sum(mb.num_slots for mbs in b for mb in mbs))} for k, b in batches.items()}
+    paths = {"rlray": lambda: actor.train_step(batches["rlray"][rank]),
+             "bare": lambda: bare.step(batches["bare"][rank]),
+             "packed": lambda: actor.train_step(batches["packed"][rank]),
+             "padded": lambda: actor.train_step(batches["padded"][rank])}
     times: dict[str, list[float]] = {k: [] for k in paths}
     for name, step in paths.items():
         for _ in range(opts["warmup"]):
             step()
-    for r in range(opts["rounds"]):  # rlray, bare; bare, rlray; ...: neither always goes first
+    for r in range(opts["rounds"]):  # forward, then backward order: no path always goes first
         for name, step in list(paths.items())[:: 1 if r % 2 == 0 else -1]:
             for _ in range(opts["steps"]):
                 dist.barrier()
@@ -130,8 +155,8 @@ def _worker(rank: int, world: int, port: int, model_name: str, opts: dict[str, A
                 dist.barrier()
                 times[name].append(time.perf_counter() - t0)
     if rank == 0:
-        Path(out).write_text(json.dumps({"times": times, "tokens": tokens, "padded_tokens": padded,
-                                         "params": params, "threads": torch.get_num_threads()}))
+        Path(out).write_text(json.dumps({"times": times, "sizes": sizes, "params": params,
+                                         "threads": torch.get_num_threads()}))
     dist.barrier()
     dist.destroy_process_group()
     os._exit(0)  # FSDP2 on gloo can abort in interpreter teardown after all work is done
@@ -149,33 +174,44 @@ def measure(model_name: str, world: int, opts: dict[str, Any]) -> dict[str, Any]
         return json.loads(Path(out).read_text())
 
 
+LABELS = {"rlray": "rlray TrainerActor.train_step", "bare": "bare FSDP2 loop",
+          "packed": "agentic batch, packed", "padded": "agentic batch, padded"}
+
+
 def run(args: argparse.Namespace) -> Report:
     preset = QUICK if args.quick else FULL
     opts = {"batch": args.batch or preset["batch"], "rounds": args.rounds or preset["rounds"],
-            "steps": args.steps or preset["steps"], "warmup": preset["warmup"], "threads": args.threads}
+            "steps": args.steps or preset["steps"], "warmup": preset["warmup"], "threads": args.threads,
+            "agentic_batch": preset["agentic_batch"], "agentic_tokens": preset["agentic_tokens"]}
     models = args.models or preset["models"]
     report = Report("trainer", args.quick, params={"models": models, "ranks": args.ranks, **opts,
                                                     "statistic": "median (and best) step time over every timed step"})
     report.columns = [Column("model", "model"), Column("params_m", "params M", "{:.2f}"), Column("path", "path"),
-                      Column("tokens_per_step", "tokens/step"), Column("steps", "steps"),
-                      Column("step_seconds", "s/step", "{:.4f}"), Column("tokens_per_s", "tokens/s", "{:.0f}"),
-                      Column("best_tokens_per_s", "best tokens/s", "{:.0f}")]
+                      Column("tokens_per_step", "tokens/step"), Column("padding_frac", "padding", "{:.2f}"),
+                      Column("steps", "steps"), Column("step_seconds", "s/step", "{:.4f}"),
+                      Column("tokens_per_s", "tokens/s", "{:.0f}"), Column("best_tokens_per_s", "best tokens/s", "{:.0f}")]
     for name in models:
         t0 = time.perf_counter()
         res = measure(name, args.ranks, opts)
         print(f"  {name}: measured in {time.perf_counter() - t0:.1f}s", flush=True)
         rates, best = {}, {}
         for path, times in res["times"].items():
-            seconds = median(times)
-            rates[path], best[path] = res["tokens"] / seconds, res["tokens"] / min(times)
-            label = "rlray TrainerActor.train_step" if path == "rlray" else "bare FSDP2 loop"
-            report.rows.append({"model": name, "params_m": res["params"] / 1e6, "path": label,
-                                "tokens_per_step": res["tokens"], "padded_tokens_per_step": res["padded_tokens"],
+            size, seconds = res["sizes"][path], median(times)
+            rates[path], best[path] = size["tokens"] / seconds, size["tokens"] / min(times)
+            report.rows.append({"model": name, "params_m": res["params"] / 1e6, "path": LABELS[path],
+                                "tokens_per_step": size["tokens"], "slots_per_step": size["slots"],
+                                "padding_frac": 1 - size["tokens"] / size["slots"],
                                 "steps": len(times), "step_seconds": seconds, "step_seconds_all": times,
                                 "tokens_per_s": rates[path], "best_tokens_per_s": best[path]})
-        report.ratios[f"{name} rlray / bare tokens/s (median)"] = ratio(rates["rlray"], rates["bare"])
-        report.ratios[f"{name} rlray / bare tokens/s (best)"] = ratio(best["rlray"], best["bare"])
+        for a, b in (("rlray", "bare"), ("packed", "padded")):
+            report.ratios[f"{name} {a} / {b} tokens/s (median)"] = ratio(rates[a], rates[b])
+            report.ratios[f"{name} {a} / {b} tokens/s (best)"] = ratio(best[a], best[b])
     report.notes = [(f"{args.ranks} gloo ranks (torch.multiprocessing, no Ray), {args.threads} torch thread(s) per "
-                    "rank; the paths alternate step by step (ABBA); ratio < 1 means rlray is slower. 'best' uses each path's "
-                    "fastest step, the least disturbed by other load.")]
+                    "rank; the paths alternate step by step (forward, then backward order); ratio < 1 means the first "
+                    "is slower. 'best' uses each path's fastest step, the least disturbed by other load."),
+                    (f"rlray / bare: the default recipe's batch ({opts['batch']} reverse_text completions, packed). "
+                     f"packed / padded: the same {opts['agentic_batch']} agentic-shaped sequences (1 in 8 of 256-504 "
+                     "tokens, the rest 24-72) through train_step, packed into rows of "
+                     f"{opts['agentic_tokens']} tokens or one padded row per sequence with at most that many padded "
+                     "tokens per micro-batch; padding = the share of computed positions that are padding.")]
     return report

@@ -25,12 +25,14 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from rlray.config import TrainerConfig
+from rlray.parallel import context
 from rlray.parallel.dims import ParallelDims
-from rlray.parallel.hf import init_non_persistent_buffers
+from rlray.parallel.hf import init_non_persistent_buffers, register_attention
 from rlray.parallel.parallelize import parallelize
 
 FUSED = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<param>gate_up_proj|down_proj)$")
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # offsets, sizes
+CP_ATTENTION = "rlray_cp"
 
 
 def hf_config(path: str) -> Any:
@@ -56,8 +58,12 @@ def build_model(path: str, dims: ParallelDims, cfg: TrainerConfig, device: torch
     folder = local_folder(path)
     config = hf_config(str(folder))
     dims.check_model(config)
+    attn = {}
+    if dims.cp_enabled:  # each rank's queries against the keys and values of its whole cp group
+        register_attention(CP_ATTENTION, context.attention)
+        attn["attn_implementation"] = CP_ATTENTION
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, **attn)
     parallelize(model, dims, cfg)
     model.to_empty(device=device)
     init_non_persistent_buffers(model)

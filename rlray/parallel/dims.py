@@ -2,14 +2,14 @@
 
 Contract: `ParallelDims(world_size, ep=..., cp=...)` checks the degrees against each other
 (`check()`) and against a model (`check_model(hf_config)`), raising `ValueError` naming the
-`trainer.*` key and the fix. Every rank is a data-parallel shard (`dp_shard = world_size`,
-parameters fully sharded over all of them); expert parallelism borrows its ranks from the
-data-parallel ones, so each rank still reads its own batch: the ranks of an `ep` group
-exchange tokens, and the `efsdp = world_size / ep` ranks that hold the same experts shard
-them with FSDP between each other. `cp` (context parallelism) has its place here and must
-be 1 until it lands. Callers ask for meshes by name (`mesh("dp_shard")`, `mesh("ep")`,
-`mesh("efsdp")`), never by degree; `build_meshes(device_type)` creates them once
-torch.distributed is initialised.
+`trainer.*` key and the fix. Parameters are fully sharded over every rank (`dp_shard =
+world_size`, context-parallel ranks included, torchtitan's dp_shard x cp). Context parallelism
+groups `cp` consecutive ranks that split each sequence of one shared batch, so `dp = world_size
+/ cp` ranks read distinct batches. Expert parallelism borrows its ranks from the
+data-parallel ones: the ranks of an `ep` group exchange tokens, and the `efsdp = world_size /
+ep` ranks that hold the same experts shard them with FSDP between each other. Callers ask for
+meshes by name (`mesh("dp_shard")`, `mesh("cp")`, `mesh("ep")`, `mesh("efsdp")`), never by
+degree; `build_meshes(device_type)` creates them once torch.distributed is initialised.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Any
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-MESHES = ("dp_shard", "ep", "efsdp")
+MESHES = ("dp_shard", "cp", "ep", "efsdp")
 
 
 def num_experts(hf_config: Any) -> int:
@@ -43,7 +43,16 @@ class ParallelDims:
 
     @property
     def dp_shard(self) -> int:
+        return self.world_size
+
+    @property
+    def dp(self) -> int:
+        """Ranks that read distinct batches."""
         return self.world_size // self.cp
+
+    @property
+    def cp_enabled(self) -> bool:
+        return self.cp > 1
 
     @property
     def efsdp(self) -> int:
@@ -56,8 +65,9 @@ class ParallelDims:
     def check(self) -> None:
         if self.world_size < 1:
             raise ValueError(f"trainer.num_ranks={self.world_size} must be >= 1")
-        if self.cp != 1:
-            raise ValueError(f"context parallelism (cp={self.cp}) is not available yet; leave it at 1")
+        if self.cp < 1 or self.world_size % self.cp:
+            raise ValueError(f"trainer.cp={self.cp} must divide trainer.num_ranks={self.world_size}: each group of "
+                             "cp ranks splits the sequences of one batch; pick a divisor")
         if self.ep < 1 or self.world_size % self.ep:
             raise ValueError(f"trainer.ep={self.ep} must divide trainer.num_ranks={self.world_size}: expert "
                              "parallelism takes its ranks from the data-parallel ones; pick a divisor")
@@ -83,6 +93,8 @@ class ParallelDims:
     def build_meshes(self, device_type: str) -> None:
         """Create the meshes (every rank calls this once, after init_process_group)."""
         self._meshes["dp_shard"] = init_device_mesh(device_type, (self.dp_shard,), mesh_dim_names=("dp_shard",))
+        if self.cp_enabled:
+            self._meshes["cp"] = init_device_mesh(device_type, (self.dp, self.cp), mesh_dim_names=("dp", "cp"))["cp"]
         if self.ep_enabled:
             # A root of its own, so FSDP over `efsdp` accepts experts already sharded on `ep`.
             experts = init_device_mesh(device_type, (self.efsdp, self.ep), mesh_dim_names=("efsdp", "ep"))
@@ -92,5 +104,5 @@ class ParallelDims:
         if name not in MESHES:
             raise KeyError(f"no mesh named {name!r}; meshes: {MESHES}")
         if name not in self._meshes:
-            raise RuntimeError(f"mesh {name!r} is not built (ep={self.ep}); call build_meshes() first")
+            raise RuntimeError(f"mesh {name!r} is not built (ep={self.ep}, cp={self.cp}); call build_meshes() first")
         return self._meshes[name]

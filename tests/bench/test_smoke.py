@@ -65,9 +65,13 @@ def test_gpu_step_tiny_runs_on_cpu(tmp_path: Path) -> None:
 def test_trainer_quick(tmp_path: Path) -> None:
     stdout, report = bench("trainer", tmp_path)
     paths = {r["path"] for r in report["rows"]}
-    assert paths == {"rlray TrainerActor.train_step", "bare FSDP2 loop"}
+    assert paths == {"rlray TrainerActor.train_step", "bare FSDP2 loop", "agentic batch, packed",
+                     "agentic batch, padded"}
     positive(report["rows"], "params_m", "tokens_per_step", "steps", "step_seconds", "tokens_per_s")
-    assert "rlray / bare tokens/s" in stdout
+    assert "rlray / bare tokens/s" in stdout and "packed / padded tokens/s" in stdout
+    layouts = {r["path"].split(", ")[-1]: r for r in report["rows"] if r["path"].startswith("agentic")}
+    assert layouts["packed"]["tokens_per_step"] == layouts["padded"]["tokens_per_step"]  # the same sequences
+    assert layouts["packed"]["padding_frac"] < 0.05 < layouts["padded"]["padding_frac"]
 
 
 @pytest.mark.bench

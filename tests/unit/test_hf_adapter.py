@@ -48,3 +48,35 @@ def test_vllm_cpu_moe_repack_hooks() -> None:
 
     assert callable(CPUUnquantizedExperts.process_weights_after_loading)
     assert "moe_kernel" in inspect.getsource(UnquantizedFusedMoEMethod._setup_kernel)
+
+
+def test_attention_interface_and_sdpa_pieces() -> None:
+    """A registered attention function is what the model calls, with no mask built for it;
+    transformers' SDPA function and torch's autograd all-gather keep their signatures."""
+    from torch.distributed._functional_collectives import all_gather_single_autograd
+    from transformers import AutoModelForCausalLM
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from rlray.data.tokenizer import char_tokenizer
+    from rlray.parallel.hf import register_attention, sdpa_attention
+
+    seen = []
+
+    def spy(module, query, key, value, attention_mask, **kwargs):
+        seen.append(attention_mask)
+        mask = torch.ones(query.shape[2], key.shape[2], dtype=torch.bool).tril()[None, None]
+        return sdpa_attention(module, query, key, value, mask, **kwargs)
+
+    register_attention("rlray_test_spy", spy)
+    tok = char_tokenizer()
+    cfg = tiny.hf_config(ModelConfig(num_layers=1, hidden_size=32, num_heads=2, num_kv_heads=1), len(tok), tok)
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="rlray_test_spy")
+    ids = torch.randint(4, len(tok), (1, 6))
+    ours = model(input_ids=ids, position_ids=torch.arange(6)[None], use_cache=False).logits
+    assert seen == [None]  # called once per layer, and handed no mask of transformers' own
+    model.set_attn_implementation("sdpa")
+    plain = model(input_ids=ids, use_cache=False).logits  # the causal mask, as the spy built it
+    torch.testing.assert_close(ours, plain)
+    assert list(inspect.signature(sdpa_attention_forward).parameters)[:5] == [
+        "module", "query", "key", "value", "attention_mask"]
+    assert list(inspect.signature(all_gather_single_autograd).parameters)[:3] == ["self", "gather_dim", "group"]

@@ -20,10 +20,17 @@ def test_ep_borrows_data_parallel_ranks() -> None:
     assert not ParallelDims(2).ep_enabled
 
 
+def test_cp_groups_share_a_batch_and_the_parameter_shards() -> None:
+    dims = ParallelDims(8, ep=2, cp=2)
+    assert (dims.dp_shard, dims.dp, dims.cp, dims.efsdp) == (8, 4, 2, 4)
+    assert dims.cp_enabled and not ParallelDims(4, cp=1).cp_enabled
+
+
 @pytest.mark.parametrize(("world", "ep", "cp", "words"), [
     (6, 4, 1, "trainer.ep=4 must divide trainer.num_ranks=6"),
     (4, 0, 1, "trainer.ep=0"),
-    (4, 1, 2, "context parallelism"),
+    (4, 1, 3, "trainer.cp=3 must divide trainer.num_ranks=4"),
+    (4, 1, 0, "trainer.cp=0"),
     (0, 1, 1, "trainer.num_ranks=0"),
 ])
 def test_bad_degrees_name_the_key(world: int, ep: int, cp: int, words: str) -> None:
