@@ -121,7 +121,8 @@ def trainer_memory(s: ModelShape, c: Config) -> dict[str, float]:
     return {"fp32 weights": 4 * s.params / n, "fp32 gradients": 4 * s.params / n, "AdamW state": 8 * s.params / n,
             "gathered layers": layer * (2 * b + 4) + s.root_params * b,
             "activations": _activations(s, c, c.trainer.activation_checkpointing),
-            "logits": t * vocab * (b + 8), "context": OVERHEAD_GB * GB if c.trainer.gpus_per_rank else 0.0}
+            "logits": t * vocab * (b + 8), "context": OVERHEAD_GB * GB if c.trainer.gpus_per_rank else 0.0,
+            **({"cp mask": t * c.trainer.micro_batch_tokens * b} if c.trainer.cp > 1 else {})}  # local x gathered keys
 
 
 def engine_memory(s: ModelShape, c: Config) -> dict[str, float]:
@@ -217,6 +218,9 @@ class Plan:
                  f"  total: {self.gpus:g} GPUs, {self.cpus:g} CPUs (+ the driver and the buffer actor, 0 CPUs)",
                  f"trainer mesh: dp_shard={d.dp_shard}, ep={d.ep}, efsdp={d.efsdp}, cp={d.cp}",
                  f"  every rank: 1/{d.dp_shard} of each dense parameter"]
+        if d.cp_enabled:
+            lines.append(f"  context parallel: ranks {d.cp}k .. {d.cp}k+{d.cp - 1} split every sequence of one "
+                         f"batch ({d.dp} batches per step), keys and values all-gathered among them")
         if d.ep_enabled:
             how = "FSDP-sharded between them" if d.efsdp > 1 else "each held whole (efsdp=1)"
             lines.append(f"  experts of every MoE layer ({how}); all-to-all within ranks {d.ep}k .. {d.ep}k+{d.ep - 1}:")
@@ -274,7 +278,7 @@ def check_local(c: Config, command: str = "python -m rlray.launch ...") -> None:
         raise ConfigError(f"run '{c.run.name}' needs {need:g} GPUs (trainer {t.num_ranks} x {t.gpus_per_rank:g}, "
                           f"rollout {r.num_actors} x {r.gpus_per_actor:g}) but torch sees {seen} on this machine; "
                           f"submit it to a Ray cluster (ray job submit --address http://HEAD:8265 --working-dir . -- "
-                          f"{command}), or run its CPU twin here ({command} +twin=cpu)")
+                          f"{command}), or run its CPU twin here ({command} +twin={'cpu_cp' if t.cp > 1 else 'cpu'})")
     if cpus > c.cluster.num_cpus:
         raise ConfigError(f"trainer ({t.num_ranks}x{t.cpus_per_rank:g}) + rollout ({r.num_actors}x"
                           f"{r.cpus_per_actor:g}) need {cpus:g} CPUs but cluster.num_cpus={c.cluster.num_cpus}; "

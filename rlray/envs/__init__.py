@@ -61,6 +61,11 @@ def load_env(env_id: str, args: dict[str, Any] | None = None, python_path: Seque
         except ValueError as e:
             raise ValueError(f"env.id='{env_id}': {e} Built-in: {list(BUILTIN)}; or put the module's folder "
                              "in env.python_path") from e
+        except RuntimeError as e:  # verifiers wraps what load_environment raised
+            if not isinstance(e.__cause__, TypeError):
+                raise
+            raise ValueError(f"env '{env_id}' does not take env.args={dict(args or {})}: {e.__cause__}; fix "
+                             "env.args (a recipe's env.args merge with the ones set after it)") from e
     vf_env.env_id = env_id
     return Env(env_id, vf_env)
 

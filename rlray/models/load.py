@@ -25,6 +25,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from rlray.config import TrainerConfig
+from rlray.models.attention import PACKED, packed_attention
 from rlray.parallel import context
 from rlray.parallel.dims import ParallelDims
 from rlray.parallel.hf import init_non_persistent_buffers, register_attention
@@ -58,12 +59,12 @@ def build_model(path: str, dims: ParallelDims, cfg: TrainerConfig, device: torch
     folder = local_folder(path)
     config = hf_config(str(folder))
     dims.check_model(config)
-    attn = {}
-    if dims.cp_enabled:  # each rank's queries against the keys and values of its whole cp group
-        register_attention(CP_ATTENTION, context.attention)
-        attn["attn_implementation"] = CP_ATTENTION
+    # Attention within each packed sequence; under cp, against the keys of the whole cp group.
+    register_attention(PACKED, packed_attention)
+    register_attention(CP_ATTENTION, context.attention)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, **attn)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32,
+                                                 attn_implementation=CP_ATTENTION if dims.cp_enabled else PACKED)
     parallelize(model, dims, cfg)
     model.to_empty(device=device)
     init_non_persistent_buffers(model)

@@ -11,7 +11,7 @@ Contract:
 - `attention(...)`, registered with transformers' attention interface (rlray.parallel.hf),
   gathers the keys and values of the rank's cp group (an autograd-aware all-gather, so their
   gradients return to the ranks that computed them) and runs transformers' own SDPA attention
-  of the local queries against the whole context, masked by segment and position: a query
+  of each sequence's local queries against that sequence's keys, masked by position: a query
   sees the keys of its own sequence at or before its position, wherever they were computed.
   `active(scope)` sets the group and mask it reads; it must cover the backward pass too, which
   recomputes attention under activation checkpointing.
@@ -93,22 +93,34 @@ def shard(position_ids: np.ndarray, segment_ids: np.ndarray, cp: int) -> tuple[l
     return shards, inverse
 
 
-def attention_mask(mine: Shard, every: list[Shard]) -> np.ndarray:
-    """bool [B, 1, Tl, cp Tl]: local query i sees gathered key j of its own segment at or before it."""
-    seg_k = np.concatenate([s.segment_ids for s in every], axis=1)
-    pos_k = np.concatenate([s.position_ids for s in every], axis=1)
-    same = mine.segment_ids[:, :, None] == seg_k[:, None, :]
-    return (same & (pos_k[:, None, :] <= mine.position_ids[:, :, None]))[:, None]
+def blocks(shards: list[Shard], rank: int) -> list[list[tuple[int, int, np.ndarray, np.ndarray]]]:
+    """Per row of `rank`'s positions, each run of one segment as (start, end, keys, mask): the
+    gathered positions (in rank order) of that segment's keys, and bool [end - start, len(keys)]:
+    the local query sees the key at or before its position."""
+    seg_k = np.concatenate([s.segment_ids for s in shards], axis=1)
+    pos_k = np.concatenate([s.position_ids for s in shards], axis=1)
+    seg_q, pos_q = shards[rank].segment_ids, shards[rank].position_ids
+    out = []
+    for b in range(seg_q.shape[0]):
+        row = []
+        cuts = [0, *(np.flatnonzero(np.diff(seg_q[b])) + 1), seg_q.shape[1]]
+        for start, end in itertools.pairwise(cuts):
+            keys = np.flatnonzero(seg_k[b] == seg_q[b, start])
+            row.append((int(start), int(end), keys, pos_k[b, keys][None, :] <= pos_q[b, start:end][:, None]))
+        out.append(row)
+    return out
 
 
 class Scope:
-    """One micro-batch's context-parallel layout on one rank, and the group it was split over."""
+    """One micro-batch's context-parallel layout on one rank, and the group it was split over;
+    `blocks` (see `blocks()`) let attention be computed only inside sequences."""
 
     def __init__(self, group: dist.ProcessGroup, rank: int, shards: list[Shard], inverse: np.ndarray,
                  device: torch.device) -> None:
         self.group, self.shard = group, shards[rank]
-        self.mask = torch.tensor(attention_mask(self.shard, shards), device=device)
         self.inverse = torch.tensor(inverse, device=device)
+        self.blocks = [[(start, end, torch.tensor(keys, device=device), torch.tensor(mask, device=device)[None, None])
+                        for start, end, keys, mask in row] for row in blocks(shards, rank)]
 
     def gather_seq(self, x: torch.Tensor, dim: int) -> torch.Tensor:
         """All ranks' `x` concatenated along `dim`, in rank order (gradients return to each rank)."""
@@ -139,4 +151,10 @@ def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, v
     if not _ACTIVE:
         raise RuntimeError("context-parallel attention ran outside rlray.parallel.context.active(...)")
     scope = _ACTIVE[-1]
-    return sdpa_attention(module, query, scope.gather_seq(key, 2), scope.gather_seq(value, 2), scope.mask, **kwargs)
+    keys, values = scope.gather_seq(key, 2), scope.gather_seq(value, 2)
+    out = []
+    for b, row in enumerate(scope.blocks):
+        parts = [sdpa_attention(module, query[b:b + 1, :, start:end], keys[b:b + 1, :, idx], values[b:b + 1, :, idx],
+                                mask, **kwargs)[0] for start, end, idx, mask in row]
+        out.append(torch.cat(parts, dim=1))
+    return torch.cat(out, dim=0), None

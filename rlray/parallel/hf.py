@@ -11,8 +11,8 @@
 - `register_attention(name, fn)`: an attention function in transformers' `AttentionInterface`,
   chosen with `from_config(..., attn_implementation=name)`. No mask function is registered for
   it, so transformers hands it `attention_mask=None` and builds no mask of its own.
-- `sdpa_attention(module, query, key, value, mask, **kwargs)`: transformers' own SDPA attention
-  (GQA head repeat, scaling, dropout) with a boolean mask of ours.
+- `sdpa_attention(module, query, key, value, mask, causal, **kwargs)`: transformers' own SDPA
+  attention (GQA head repeat, scaling, dropout) with a boolean mask of ours, or causal.
 - `all_gather_autograd(x, group)`: torch's functional all-gather along dim 0 whose backward
   returns each rank's share of the gradient (an all-to-all on gloo, which has no reduce-scatter).
 """
@@ -51,12 +51,13 @@ def register_attention(name: str, fn: Callable) -> None:
     AttentionInterface.register(name, fn)
 
 
-def sdpa_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, mask: Tensor,
-                   **kwargs: Any) -> tuple[Tensor, None]:
+def sdpa_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None,
+                   causal: bool = False, **kwargs: Any) -> tuple[Tensor, None]:
+    """Output [B, T, H, D]; `causal` applies only without a mask."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     kwargs.pop("is_causal", None)
-    return sdpa_attention_forward(module, query, key, value, mask, is_causal=False, **kwargs)
+    return sdpa_attention_forward(module, query, key, value, mask, is_causal=causal, **kwargs)
 
 
 def all_gather_autograd(x: Tensor, group: Any) -> Tensor:

@@ -4,10 +4,12 @@ earlier keys, wherever they were computed."""
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 
-from rlray.parallel.context import attention_mask, shard
+from rlray.parallel.context import blocks, shard
 
 
 def packed_row() -> tuple[np.ndarray, np.ndarray]:
@@ -38,20 +40,24 @@ def test_front_and_back_chunks_balance_causal_work() -> None:
     shards, _ = shard(pos, seg, 2)
     assert shards[0].source[0].tolist() == [0, 1, 2, 3, 12, 13, 14, 15]
     assert shards[1].source[0].tolist() == [4, 5, 6, 7, 8, 9, 10, 11]
-    work = [int(attention_mask(s, shards).sum()) for s in shards]  # query-key pairs each rank computes
+    work = [sum(int(m.sum()) for _, _, _, m in blocks(shards, r)[0]) for r in range(2)]  # query-key pairs
     assert work[0] == work[1]
 
 
-def test_mask_is_block_causal_over_the_gathered_keys() -> None:
+def test_blocks_see_exactly_the_earlier_keys_of_their_own_sequence() -> None:
     pos, seg = packed_row()
     shards, _ = shard(pos, seg, 2)
     keys = np.concatenate([s.source for s in shards], axis=1)[0]
-    for s in shards:
-        mask = attention_mask(s, shards)[0, 0]
-        for i, q in enumerate(s.source[0]):
-            if q < 0:
-                assert mask[i].any()  # padding sees at least itself: no all-masked row, no NaN
-                continue
-            assert (keys[mask[i]] >= 0).all()  # a real token never sees the padding added for the split
-            seen = sorted(int(k) for k in keys[mask[i]])
-            assert seen == [k for k in range(pos.shape[1]) if seg[0, k] == seg[0, q] and k <= q]
+    for r, s in enumerate(shards):
+        (row,) = blocks(shards, r)
+        ends = [(a, b) for a, b, _, _ in row]
+        assert ends[0][0] == 0 and ends[-1][1] == s.source.shape[1]  # the runs cover the row, in order
+        assert all(b == a for (_, b), (a, _) in itertools.pairwise(ends))
+        for start, end, idx, mask in row:
+            for i, q in enumerate(s.source[0, start:end]):
+                if q < 0:
+                    assert mask[i].any()  # padding sees at least itself: no all-masked row, no NaN
+                    continue
+                seen = keys[idx[mask[i]]]
+                assert (seen >= 0).all()  # a real token never sees the padding added for the split
+                assert sorted(seen.tolist()) == [k for k in range(pos.shape[1]) if seg[0, k] == seg[0, q] and k <= q]

@@ -55,6 +55,11 @@ def test_unknown_env_id_names_the_fix() -> None:
         load_env("no_such_env_module_xyz")
 
 
+def test_args_an_env_does_not_take_name_them() -> None:
+    with pytest.raises(ValueError, match=r"env 'reverse_text' does not take env.args=\{'turns': 3, 'max_turns': 16\}"):
+        load_env("reverse_text", {"turns": 3, "max_turns": 16})
+
+
 def test_env_module_from_a_folder_on_python_path(tmp_path) -> None:
     (tmp_path / "tiny_echo_env.py").write_text(
         "import verifiers as vf\nfrom datasets import Dataset\n"

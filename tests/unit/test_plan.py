@@ -21,6 +21,18 @@ def test_dry_run_of_the_full_glm_recipe_prints_the_plan_and_starts_nothing() -> 
     assert "controller reached" not in result.stderr
 
 
+def test_long_context_recipe_plans_context_parallel_groups_and_its_twin_composes() -> None:
+    result = launch("+recipe=long_context", "dry_run=true")
+    assert result.returncode == 0, result.stderr[-2000:]
+    for needle in ("trainer mesh: dp_shard=16, ep=8, efsdp=2, cp=4",
+                   "context parallel: ranks 4k .. 4k+3 split every sequence of one batch (4 batches per step)",
+                   "cp mask", "plan fits"):
+        assert needle in result.stdout, (needle, result.stdout)
+    twin = launch("+recipe=long_context", "+twin=cpu_cp", "dry_run=true")
+    assert twin.returncode == 0, twin.stderr[-2000:]
+    assert "trainer mesh: dp_shard=2, ep=2, efsdp=1, cp=2" in twin.stdout and "plan fits" in twin.stdout
+
+
 def test_a_plan_that_cannot_fit_fails_with_one_line() -> None:
     result = launch("+recipe=glm_moe", "dry_run=true", "trainer.num_ranks=2", "trainer.ep=2")
     assert result.returncode == 1
