@@ -3,8 +3,13 @@
 Contract:
 - `setup()` joins the trainer process group (gloo on CPU, nccl on GPU) and builds the model
   sharded from the start (rlray.models.load: meta device, `parallelize` with the
-  `trainer.ep` / `trainer.activation_checkpointing` of `ParallelDims`, each rank reading
-  only its shards); the KL reference model, when `algo.kl_coef > 0`, is built the same way.
+  `trainer.ep` / `trainer.cp` / `trainer.activation_checkpointing` of `ParallelDims`, each
+  rank reading only its shards); the KL reference model, when `algo.kl_coef > 0`, is built
+  the same way.
+- Micro-batches are rows of one or several sequences (rlray.data.packing); the model sees
+  the rows with position ids restarting per sequence (attention stays inside each), the
+  losses see one row per sequence. With `trainer.cp > 1` the ranks of a cp group get the
+  same micro-batches and each computes its share of every sequence (rlray.parallel.context).
 - `set_stage(lr, warmup_steps)` starts a fresh AdamW (SFT and RL each get their own).
 - `train_step(micro_batches)` runs forward/backward over this rank's micro-batches, one
   optimizer step per mini-batch (`algo.mini_batches`, `MicroBatch.mini_batch`) and pass

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from rlray.bench.common import Column, Report, free_port, median, ratio
-from rlray.config import ModelConfig
+from rlray.config import ModelConfig, TrainerConfig
 
 MODELS: dict[str, dict[str, int]] = {
     "tiny2": {"num_layers": 2},  # the test suite's 2-layer tiny model
@@ -34,10 +34,8 @@ MODELS: dict[str, dict[str, int]] = {
     "small": {"hidden_size": 512, "num_layers": 8, "num_heads": 8, "num_kv_heads": 4, "head_dim": 64,
               "intermediate_size": 1536},  # ~25M parameters
 }
-QUICK = {"models": ["tiny2"], "batch": 32, "rounds": 3, "steps": 1, "warmup": 1, "agentic_batch": 16,
-         "agentic_tokens": 1024}
-FULL = {"models": ["tiny", "small"], "batch": 128, "rounds": 12, "steps": 1, "warmup": 2, "agentic_batch": 64,
-        "agentic_tokens": 2048}
+QUICK = {"models": ["tiny2"], "batch": 32, "rounds": 3, "steps": 1, "warmup": 1, "agentic_batch": 16}
+FULL = {"models": ["tiny", "small"], "batch": 128, "rounds": 12, "steps": 1, "warmup": 2, "agentic_batch": 128}
 TEMPERATURE = 0.7
 
 
@@ -48,6 +46,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rounds", type=int, help="rounds; each times a block of each path, in alternating order")
     p.add_argument("--steps", type=int, help="timed steps per block (default 1)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank (Ray gives actors 1)")
+    p.add_argument("--agentic-batch", type=int, help="sequences of the packed/padded batch (full: 128)")
+    p.add_argument("--micro-batch-tokens", type=int, default=TrainerConfig().micro_batch_tokens,
+                   help="trainer.micro_batch_tokens of the packed/padded batch (default: the config's)")
 
 
 def rl_batch(num_ranks: int, n: int, pad_id: int, seed: int = 0) -> list[list[Any]]:
@@ -121,7 +122,7 @@ def _worker(rank: int, world: int, port: int, model_name: str, opts: dict[str, A
     import torch
     import torch.distributed as dist
 
-    from rlray.config import AlgoConfig, TrainerConfig
+    from rlray.config import AlgoConfig
     from rlray.models.tiny import model_path
     from rlray.trainer import TrainerActor
 
@@ -182,7 +183,7 @@ def run(args: argparse.Namespace) -> Report:
     preset = QUICK if args.quick else FULL
     opts = {"batch": args.batch or preset["batch"], "rounds": args.rounds or preset["rounds"],
             "steps": args.steps or preset["steps"], "warmup": preset["warmup"], "threads": args.threads,
-            "agentic_batch": preset["agentic_batch"], "agentic_tokens": preset["agentic_tokens"]}
+            "agentic_batch": args.agentic_batch or preset["agentic_batch"], "agentic_tokens": args.micro_batch_tokens}
     models = args.models or preset["models"]
     report = Report("trainer", args.quick, params={"models": models, "ranks": args.ranks, **opts,
                                                     "statistic": "median (and best) step time over every timed step"})
@@ -212,6 +213,7 @@ def run(args: argparse.Namespace) -> Report:
                     (f"rlray / bare: the default recipe's batch ({opts['batch']} reverse_text completions, packed). "
                      f"packed / padded: the same {opts['agentic_batch']} agentic-shaped sequences (1 in 8 of 256-504 "
                      "tokens, the rest 24-72) through train_step, packed into rows of "
-                     f"{opts['agentic_tokens']} tokens or one padded row per sequence with at most that many padded "
-                     "tokens per micro-batch; padding = the share of computed positions that are padding.")]
+                     f"{opts['agentic_tokens']} tokens (trainer.micro_batch_tokens) or one padded row per sequence, "
+                     "longest first, at most that many padded tokens per micro-batch; padding = the share of "
+                     "computed positions that are padding.")]
     return report
