@@ -1,21 +1,17 @@
-"""A rollout actor is replaced whichever way it is lost mid-RL, and the run loses no step: its
-vLLM engine dies (what an OOM or a CUDA fault does: the EngineCore process is gone, the actor
-lives on), the actor itself is killed between steps (seen by the health check while the trainer
-waits for its batch), or right before a weight sync (the broadcast itself fails); between syncs
-too. Once `rollout.max_restarts` is used up the run stops with one line saying why. A trainer
+"""A rollout actor whose vLLM engine dies mid-RL (what an OOM or a CUDA fault does: the EngineCore
+process is gone, the actor lives on) is replaced like a dead actor, between weight syncs too;
+once `rollout.max_restarts` is used up the run stops with one line saying why. A trainer
 starved of its batch fails after `rl.batch_timeout_s` with a line naming what it waited for.
 
-Deaths are caused from the controller's own thread as it logs an RL step (or inside the sync),
-so each lands mid-RL at a known step: an engine through its EngineCore process, a child of the
-rollout actor's process; an actor with `ray.kill`.
+The engine is killed through its EngineCore process, a child of the rollout actor's process,
+from the controller's own thread as it logs an RL step, so the death lands mid-RL, between
+two syncs, at a known step.
 """
 
 from __future__ import annotations
 
-import json
 import threading
 import time
-from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -27,26 +23,7 @@ from rlray.config import Config
 from rlray.controller import Controller, run
 from rlray.metrics import Metrics
 from tests.ray.conftest import tiny_config
-
-
-def rl_records(run_dir: str) -> list[dict]:
-    path = Path(run_dir) / "metrics.jsonl"
-    if not path.exists():
-        return []
-    return [r for r in map(json.loads, path.read_text().splitlines()) if r["stage"] == "rl"]
-
-
-def kill_actor(actor: Any) -> float:
-    """`ray.kill` a rollout actor (a handle or its name) and return once Ray reports it dead
-    (the time of the kill)."""
-    actor = ray.get_actor(actor) if isinstance(actor, str) else actor
-    ray.kill(actor, no_restart=True)
-    killed = time.monotonic()
-    while True:
-        try:
-            ray.get(actor.stats.remote(), timeout=10)
-        except ray.exceptions.RayActorError:
-            return killed
+from tests.ray.test_replace import rl_records
 
 
 def kill_engine(actor_name: str, timeout: float = 60) -> float:
@@ -65,40 +42,17 @@ def kill_engine(actor_name: str, timeout: float = 60) -> float:
     return killed
 
 
-def kill_at(monkeypatch: pytest.MonkeyPatch, kills: dict[int, tuple[str, str]]) -> list[float]:
-    """Once RL step `step` is logged, kill what `kills[step]` names: ("engine" | "actor", actor name);
-    returns the kill times."""
+def kill_engines_at(monkeypatch: pytest.MonkeyPatch, kills: dict[int, str]) -> list[float]:
+    """Kill the engine of actor `kills[step]` once RL step `step` is logged; returns the kill times."""
     real_log, times = Metrics.log, []
 
     def log(self: Metrics, stage: str, at: int, values: dict, total: int | None = None) -> None:
         real_log(self, stage, at, values, total)
         if stage == "rl" and at in kills:
-            what, name = kills[at]
-            times.append(kill_engine(name) if what == "engine" else kill_actor(name))
+            times.append(kill_engine(kills[at]))
 
     monkeypatch.setattr(Metrics, "log", log)
     return times
-
-
-def kill_in_sync(monkeypatch: pytest.MonkeyPatch, version: int) -> list[int]:
-    """Kill the rollout actor inside the sync to `version`, after its health check passed."""
-    from rlray.fleet import RolloutFleet
-
-    real_sync, lost = RolloutFleet.sync, []
-
-    def sync_losing_an_actor(self: RolloutFleet, v: int) -> dict:
-        if not (self.loops and v == version and not lost):
-            return real_sync(self, v)
-        lost.append(v)
-        kill_actor(self.h.rollouts[0])
-        self._ended = dict  # type: ignore[method-assign]  # the health check already passed
-        try:
-            return real_sync(self, v)
-        finally:
-            del self._ended
-
-    monkeypatch.setattr(RolloutFleet, "sync", sync_losing_an_actor)
-    return lost
 
 
 def start(c: Config) -> tuple[threading.Thread, dict[str, Any]]:
@@ -116,32 +70,28 @@ def start(c: Config) -> tuple[threading.Thread, dict[str, Any]]:
     return thread, out
 
 
-def test_lost_rollout_actors_are_replaced_until_max_restarts(ray_cluster, tmp_path, monkeypatch) -> None:
-    """One sync per step, on-policy. The engine dies after step 0, the actor is killed after
-    step 3 and inside the sync after step 5: each is replaced and no step is lost or repeated.
-    The fourth loss, with rollout.max_restarts=3 used up, stops the run with one line."""
-    c = tiny_config(tmp_path, rl={"steps": 12}, rollout={"max_restarts": 3}, async_={"max_off_policy_steps": 0})
+def test_dead_engine_is_replaced_until_max_restarts(ray_cluster, tmp_path, monkeypatch) -> None:
+    """One sync per step: the first death is replaced and no step is lost or repeated; the
+    second, with rollout.max_restarts=1 used up, stops the run with one line."""
+    c = tiny_config(tmp_path, rl={"steps": 12}, rollout={"max_restarts": 1}, async_={"max_off_policy_steps": 0})
     c.stages = ["rl"]
-    kills = kill_at(monkeypatch, {0: ("engine", "rollout-0"), 3: ("actor", "rollout-0.1"),
-                                  8: ("engine", "rollout-0.3")})
-    lost_in_sync = kill_in_sync(monkeypatch, 6)
+    kills = kill_engines_at(monkeypatch, {0: "rollout-0", 3: "rollout-0.1"})
     thread, out = start(c)
     thread.join(timeout=900)
-    assert not thread.is_alive(), "the run did not stop after the fourth loss"
-    assert len(kills) == 3 and lost_in_sync == [6] and isinstance(out.get("error"), RuntimeError), out
-    assert out["raised_at"] - kills[-1] < 60
+    assert not thread.is_alive(), "the run did not stop after the second engine death"
+    assert len(kills) == 2 and isinstance(out.get("error"), RuntimeError), out
+    assert out["raised_at"] - kills[1] < 60
     message = str(out["error"])
     assert "\n" not in message
-    assert message.startswith("rollout-0.3 was lost: its vLLM engine died (EngineDeadError: "), message
-    assert "rollout.max_restarts=3 allows no more replacements (3 used)" in message
+    assert message.startswith("rollout-0.1 was lost: its vLLM engine died (EngineDeadError: "), message
+    assert "rollout.max_restarts=1 allows no more replacements (1 used)" in message
 
     rl = rl_records(c.run.dir)
-    assert [r["step"] for r in rl] == list(range(9))  # step 9 never completes
-    restarts = [r["rollout_restarts"] for r in rl]  # logged after the step's sync
-    assert restarts[0] == 0 and restarts[1] in (0, 1) and restarts[2:4] == [1, 1], restarts
-    assert restarts[4] in (1, 2) and restarts[5:] == [3, 3, 3, 3], restarts
+    assert [r["step"] for r in rl] == [0, 1, 2, 3]  # step 4 never completes
+    restarts = [r["rollout_restarts"] for r in rl]  # logged before each step's sync
+    assert restarts[0] == 0 and restarts[1] in (0, 1) and restarts[2:] == [1, 1]
     # On-policy, inference and trainer logprobs agree to float error only when the engine
-    # holds exactly the trainer's weights: so do the replacements', from their first batch on.
+    # holds exactly the trainer's weights: so does the replacement's.
     assert all(r["lag_max"] == 0 for r in rl)
     assert max(r["mismatch_kl"] for r in rl) < 1e-5
 
@@ -152,7 +102,7 @@ def test_dead_engine_between_syncs_is_replaced(ray_cluster, tmp_path, monkeypatc
     once, in order."""
     c = tiny_config(tmp_path, rl={"steps": 6, "sync_every": 4}, async_={"max_off_policy_steps": 3})
     c.stages = ["rl"]
-    kills = kill_at(monkeypatch, {0: ("engine", "rollout-0")})
+    kills = kill_engines_at(monkeypatch, {0: "rollout-0"})
     thread, out = start(c)
     thread.join(timeout=900)
     assert not thread.is_alive() and "summary" in out, out.get("error")
