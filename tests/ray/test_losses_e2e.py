@@ -1,4 +1,5 @@
-"""Every RL objective, chosen by name from its paper preset, trains a few steps end to end."""
+"""Every RL objective, chosen by name from its paper preset, trains a few steps end to end (on one
+trainer rank: the multi-rank paths are the same for every loss and are tested in tests/dist)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from tests.ray.conftest import tiny_config
 
 @pytest.mark.parametrize("name", sorted(PRESETS))
 def test_loss_trains_end_to_end(ray_cluster, tmp_path, name: str) -> None:
-    c = tiny_config(tmp_path, "stages=[rl]", "rl.steps=2", algo=PRESETS[name])
+    c = tiny_config(tmp_path, "stages=[rl]", "rl.steps=2", "trainer.num_ranks=1", algo=PRESETS[name])
     assert c.algo.loss == name
     run(c)
     lines = (Path(c.run.dir) / "metrics.jsonl").read_text().splitlines()

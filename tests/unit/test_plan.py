@@ -21,16 +21,29 @@ def test_dry_run_of_the_full_glm_recipe_prints_the_plan_and_starts_nothing() -> 
     assert "controller reached" not in result.stderr
 
 
+def composed(*overrides: str) -> Config:
+    from hydra import compose, initialize_config_dir
+
+    from rlray.config import register, to_config
+    from rlray.launch import CONF_DIR
+
+    register()
+    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
+        return to_config(compose("config", overrides=list(overrides)))
+
+
 def test_long_context_recipe_plans_context_parallel_groups_and_its_twin_composes() -> None:
-    result = launch("+recipe=long_context", "dry_run=true")
-    assert result.returncode == 0, result.stderr[-2000:]
+    plan = make_plan(composed("+recipe=long_context"))
+    out = plan.render()
     for needle in ("trainer mesh: dp_shard=16, ep=8, efsdp=2, cp=4",
                    "context parallel: ranks 4k .. 4k+3 split every sequence of one batch (4 batches per step)",
-                   "cp mask", "plan fits"):
-        assert needle in result.stdout, (needle, result.stdout)
-    twin = launch("+recipe=long_context", "+twin=cpu_cp", "dry_run=true")
-    assert twin.returncode == 0, twin.stderr[-2000:]
-    assert "trainer mesh: dp_shard=2, ep=2, efsdp=1, cp=2" in twin.stdout and "plan fits" in twin.stdout
+                   "cp mask"):
+        assert needle in out, (needle, out)
+    assert plan.problems() == []
+    twin = make_plan(composed("+recipe=long_context", "+twin=cpu_cp"))
+    assert "trainer mesh: dp_shard=2, ep=2, efsdp=1, cp=2" in twin.render() and twin.problems() == []
+    assert (twin.c.model.arch, twin.c.env.mix[0].id, twin.c.env.mix[0].args) == ("qwen3_moe", "reverse_text",
+                                                                                 {"turns": 3})
 
 
 def test_a_plan_that_cannot_fit_fails_with_one_line() -> None:
