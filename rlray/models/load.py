@@ -14,6 +14,7 @@ expert (`experts.<e>.gate_proj.weight`, ...: what the hub checkpoints and transf
 
 from __future__ import annotations
 
+import importlib.util
 import re
 from collections.abc import Iterator
 from contextlib import ExitStack
@@ -53,18 +54,28 @@ def local_folder(name: str) -> Path:
     return Path(snapshot_download(name, allow_patterns=patterns))
 
 
+def attention_for(device: torch.device, dims: ParallelDims) -> str:
+    """Attention within each packed sequence: flash-attn's varlen kernels on GPU when installed
+    (transformers derives the sequence boundaries from the position ids), else one SDPA call
+    per sequence; under cp, against the keys of the whole cp group."""
+    register_attention(PACKED, packed_attention)
+    register_attention(CP_ATTENTION, context.attention)
+    if dims.cp_enabled:
+        return CP_ATTENTION
+    if device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None:
+        return "flash_attention_2"
+    return PACKED
+
+
 def build_model(path: str, dims: ParallelDims, cfg: TrainerConfig, device: torch.device) -> nn.Module:
     from transformers import AutoModelForCausalLM
 
     folder = local_folder(path)
     config = hf_config(str(folder))
     dims.check_model(config)
-    # Attention within each packed sequence; under cp, against the keys of the whole cp group.
-    register_attention(PACKED, packed_attention)
-    register_attention(CP_ATTENTION, context.attention)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32,
-                                                 attn_implementation=CP_ATTENTION if dims.cp_enabled else PACKED)
+                                                 attn_implementation=attention_for(device, dims))
     parallelize(model, dims, cfg)
     model.to_empty(device=device)
     init_non_persistent_buffers(model)

@@ -80,3 +80,21 @@ def test_attention_interface_and_sdpa_pieces() -> None:
     assert list(inspect.signature(sdpa_attention_forward).parameters)[:5] == [
         "module", "query", "key", "value", "attention_mask"]
     assert list(inspect.signature(all_gather_single_autograd).parameters)[:3] == ["self", "gather_dim", "group"]
+
+
+def test_attention_choice(monkeypatch) -> None:
+    """Packed attention on CPU; flash-attn's varlen kernels on GPU when installed; cp's own under cp."""
+    import importlib.util
+
+    from rlray.models.attention import PACKED
+    from rlray.models.load import CP_ATTENTION, attention_for
+    from rlray.parallel.dims import ParallelDims
+
+    cpu, gpu = torch.device("cpu"), torch.device("cuda")
+    assert attention_for(cpu, ParallelDims(2)) == PACKED
+    assert attention_for(cpu, ParallelDims(2, cp=2)) == attention_for(gpu, ParallelDims(2, cp=2)) == CP_ATTENTION
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None if name == "flash_attn" else real(name))
+    assert attention_for(gpu, ParallelDims(2)) == PACKED
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: object() if name == "flash_attn" else real(name))
+    assert attention_for(gpu, ParallelDims(2)) == "flash_attention_2"
