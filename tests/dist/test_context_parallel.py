@@ -59,7 +59,7 @@ def check(result: dict, ref: dict) -> None:
 def test_context_parallel_matches_one_process() -> None:
     model_path(DENSE), model_path(MOE)
     one = spawn(worker, 1, [("dense", DENSE, 1, 1, False), ("moe", MOE, 1, 1, False)])
-    two = spawn(worker, 2, [("cp2", DENSE, 2, 1, False)])
+    two = spawn(worker, 2, [("cp2", DENSE, 2, 1, False)])  # cp alone: both ranks split one batch
     four = spawn(worker, 4, [("cp2_fsdp2_ac", DENSE, 2, 1, True), ("cp2_ep2", MOE, 2, 2, False)])
     for name in LOSSES:
         assert two[("cp2", name)]["micro_batches"] >= 2

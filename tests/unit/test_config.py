@@ -19,7 +19,7 @@ def launch(*overrides: str, cwd: str = "/") -> subprocess.CompletedProcess:
                           timeout=120)
 
 
-@pytest.mark.parametrize("overrides, needle", [
+BAD = [
     (["+recipe=no_such_recipe"], "no_such_recipe"),
     (["trainer.lrr=1"], "trainer.lrr"),
     (["+trainer.lrr=1"], "trainer.lrr"),
@@ -40,12 +40,48 @@ def launch(*overrides: str, cwd: str = "/") -> subprocess.CompletedProcess:
     (["rollout.max_restarts=-1"], "rollout.max_restarts"),
     (["stages=[sft,train]"], "stages"),
     (["rl.sync_every=3", "async.max_off_policy_steps=0"], "async.max_off_policy_steps"),
-])
-def test_bad_config_exits_nonzero_naming_the_key(overrides: list[str], needle: str) -> None:
-    result = launch(*overrides)
-    assert result.returncode != 0
-    assert "controller reached" not in result.stderr
-    assert needle in result.stderr, result.stderr[-2000:]
+]
+MANY = """
+import contextlib, io, json, sys, types
+c = types.ModuleType('rlray.controller'); c.run = lambda cfg: sys.exit('controller reached')
+sys.modules['rlray.controller'] = c
+from hydra.core.global_hydra import GlobalHydra
+from rlray.launch import main
+out = []
+for overrides in json.loads(sys.argv[1]):
+    err, code = io.StringIO(), 0
+    sys.argv = ['launch', *overrides]
+    with contextlib.redirect_stderr(err):
+        try:
+            main()
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else 1
+            if not isinstance(e.code, int):
+                err.write(str(e.code))
+    GlobalHydra.instance().clear()
+    out.append({'code': code, 'stderr': err.getvalue()})
+print('RESULTS' + json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def bad_results() -> list[dict]:
+    """Every BAD case through the real entry point, one after another in one interpreter (an
+    interpreter start per case cost ~2 minutes of CI), each with its own exit code and stderr."""
+    import json
+
+    result = subprocess.run([sys.executable, "-c", MANY, json.dumps([o for o, _ in BAD])], capture_output=True,
+                            text=True, cwd="/", timeout=600)
+    assert "RESULTS" in result.stdout, result.stderr[-2000:]
+    return json.loads(result.stdout.split("RESULTS", 1)[1])
+
+
+@pytest.mark.parametrize("case", range(len(BAD)), ids=[" ".join(o) for o, _ in BAD])
+def test_bad_config_exits_nonzero_naming_the_key(bad_results: list[dict], case: int) -> None:
+    (overrides, needle), result = BAD[case], bad_results[case]
+    assert result["code"] != 0, overrides
+    assert "controller reached" not in result["stderr"]
+    assert needle in result["stderr"], result["stderr"][-2000:]
 
 
 def test_good_configs_reach_the_controller_from_any_directory(tmp_path) -> None:
