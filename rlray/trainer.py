@@ -123,9 +123,8 @@ class TrainerActor:
         if self.dims.cp_enabled:
             shards, inverse = context.shard(pos, mb.segment_ids, self.dims.cp)
             scope = context.Scope(self.cp_group, self.cp_rank, shards, inverse, self.device)
-            src = shards[self.cp_rank].source
+            src, pos = scope.shard.source, scope.shard.position_ids  # this rank's positions
             ids, targets = (np.where(src >= 0, np.take_along_axis(x, np.maximum(src, 0), 1), 0) for x in (ids, targets))
-            pos = shards[self.cp_rank].position_ids
         t: dict[str, Any] = {k: torch.tensor(v, device=self.device)
                              for k, v in (("input_ids", ids), ("position_ids", pos), ("targets", targets))}
         t.update(first=first, scope=scope, index=torch.tensor(index, device=self.device),
