@@ -33,7 +33,7 @@ from rlray.config import RECIPES_DIR, Config
 from rlray.rollout import RolloutActor
 
 CONF = RECIPES_DIR.parent / "conf" / "config.yaml"
-QUICK = {"steps": 4, "ks": [0, 2], "set": ["model.num_layers=2", "rl.batch_size=32", "eval.num_examples=16"]}
+QUICK = {"steps": 3, "ks": [0, 2], "set": ["model.num_layers=2", "rl.batch_size=16", "eval.num_examples=8"]}
 FULL = {"steps": 30, "ks": [0, 1, 2], "set": ["eval.num_examples=32"]}
 # Every run starts fresh and spends its time on the steps: no resume, checkpoints or export
 # (where the schema has them), no evaluation inside the loop.
@@ -44,7 +44,7 @@ FRESH = ["checkpoint.every=0", "checkpoint.resume=false", "checkpoint.export_hf=
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ks", nargs="+", type=int, help="max_off_policy_steps values (full: 0 1 2; quick: 0 2, "
                    "one vLLM start fewer)")
-    p.add_argument("--steps", type=int, help="RL steps per run (quick 4, full 30)")
+    p.add_argument("--steps", type=int, help="RL steps per run (quick 3, full 30)")
     p.add_argument("--sft", action="store_true", help="keep the SFT warm-up stage (default: stages=[rl])")
     p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
                    help="config overrides, e.g. rl.batch_size=64 trainer.num_ranks=1")

@@ -39,7 +39,7 @@ MODELS: dict[str, dict[str, int]] = {
     "small": {"hidden_size": 512, "num_layers": 8, "num_heads": 8, "num_kv_heads": 4, "head_dim": 64,
               "intermediate_size": 1536},  # ~25M parameters
 }
-QUICK = {"models": ["tiny"], "groups": 16, "passes": 2}
+QUICK = {"models": ["tiny"], "groups": 8, "passes": 1}
 PASS_TIMEOUT_S = 600.0  # a pass that takes longer has hung; fail with what is known
 WORKER_TIMEOUT_S = 1800.0
 FULL = {"models": ["tiny", "small"], "groups": 64, "passes": 4}
