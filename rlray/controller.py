@@ -82,8 +82,7 @@ class Controller:
         t0 = time.perf_counter()
         self._h = cluster.spawn(self.c, pad_id=self.tokenizer.pad_token_id)
         ray.get([t.setup.remote() for t in self.h.trainers] + [r.start.remote() for r in self.h.rollouts])
-        plan = ray.get(self.h.trainers[0].weight_plan.remote(self.c.weights.bucket_mb))
-        self._fleet = RolloutFleet(self.c, self.h, plan)
+        self._fleet = RolloutFleet(self.c, self.h)
         world = self.fleet.open()
         print(f"actors ready in {time.perf_counter() - t0:.1f}s: {len(self.h.trainers)} trainer ranks, "
               f"{len(self.h.rollouts)} rollout actors, weight group of {world}", flush=True)

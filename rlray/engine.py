@@ -7,10 +7,13 @@ Contract:
   distribution actually sampled from (`logprobs_mode="processed_logprobs"`, so temperature
   is applied) and, per token, the value of `version()` when that token reached us: tokens
   produced after a weight update carry the new version when the caller bumps it in
-  `update_weights(on_loaded=...)`.
+  `finish_weight_update(on_loaded=...)`.
 - `score` gives temperature-1 logprobs of given tokens under the current weights.
-- `update_weights` freezes in-flight requests (they keep going afterwards), loads the weights
-  rank 0 of the weight group broadcasts, and recomputes any KV cache made with old weights.
+- Weight updates follow vLLM's weight-transfer protocol (rlray.transfer drives it from the
+  trainer): `init_weight_transfer` once, then per sync `start_weight_update` (in-flight requests
+  freeze, keeping their KV cache), `update_weights` (the workers receive and load what rank 0
+  of the weight group sends) and `finish_weight_update` (KV made with old weights is
+  recomputed, the weights are labelled with their version, generation resumes).
 - `death()` is None while the engine core process runs, and vLLM's error in one line once it
   has died (out of memory, a CUDA fault, killed): every call fails from then on, and a
   weight-group call in flight when it dies raises that error instead of waiting forever.
@@ -27,9 +30,6 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from rlray.weights import Bucket, plan_to_wire
-
-WORKER_EXTENSION = "rlray.weights.WorkerExtension"
 T = TypeVar("T")
 
 
@@ -44,15 +44,17 @@ class Sample:
 
 
 class Engine:
-    """A vLLM `AsyncLLM` with rlray's weight-sync worker extension."""
+    """A vLLM `AsyncLLM` whose workers hold a weight-transfer engine (`weights_backend`)."""
 
     def __init__(self, llm: Any) -> None:
         self.llm = llm
         self._ids = itertools.count()
+        self._paused_at = 0.0
 
     @classmethod
     async def create(cls, model_path: str, *, max_model_len: int, seed: int = 0,
-                     kv_cache_fraction: float = 0.05, engine_kwargs: dict[str, Any] | None = None) -> Engine:
+                     kv_cache_fraction: float = 0.05, weights_backend: str = "gloo",
+                     engine_kwargs: dict[str, Any] | None = None) -> Engine:
         """Start the engine (15-25 s on CPU); call from inside the event loop that will use it.
 
         On CPU, `kv_cache_fraction` (vLLM's gpu_memory_utilization) is a share of the NUMA node's
@@ -68,7 +70,7 @@ class Engine:
             "seed": seed,
             "gpu_memory_utilization": kv_cache_fraction,
             "logprobs_mode": "processed_logprobs",
-            "worker_extension_cls": WORKER_EXTENSION,
+            "weight_transfer_config": {"backend": weights_backend},
             "enable_prefix_caching": True,
         }
         kwargs.update(engine_kwargs or {})
@@ -135,18 +137,33 @@ class Engine:
         assert final is not None and final.prompt_logprobs is not None
         return [final.prompt_logprobs[i][token_ids[i]].logprob for i in range(start, len(token_ids))]
 
-    async def init_weight_group(self, host: str, port: int, rank: int, world_size: int, backend: str,
-                                timeout_s: float, plan: list[Bucket]) -> list[int]:
-        """Join every worker to the weight group; worker i of this engine becomes `rank + i`.
+    def workers(self) -> int:
+        """This engine's worker processes (TP x PP x DP): the weight-group ranks it takes."""
+        pc = self.llm.vllm_config.parallel_config
+        return pc.world_size * pc.data_parallel_size
 
-        Blocks until rank 0 (the trainer) and every other rank have joined. Returns the ranks.
-        """
-        args = (host, port, rank, world_size, backend, timeout_s, plan_to_wire(plan))
-        return await self._unless_dead(self.llm.collective_rpc("rlray_init_weight_group", args=args))
+    # ---- vLLM's weight-transfer protocol (rlray.transfer) ------------------------------
+    async def init_weight_transfer(self, init_info: dict[str, Any]) -> None:
+        """Every worker joins the weight group (blocks until the trainer's rank 0 has joined too)."""
+        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
 
-    async def update_weights(self, on_loaded: Callable[[], None] | None = None,
-                             version: int | None = None) -> float:
-        """Receive one broadcast of every planned weight; in-flight requests pause, then resume.
+        await self._unless_dead(self.llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info)))
+
+    async def start_weight_update(self) -> None:
+        """Freeze in-flight requests (they keep their KV cache) and open the workers' reload."""
+        self._paused_at = time.perf_counter()
+        await self._unless_dead(self.llm.pause_generation(mode="keep", clear_cache=False))
+        await self._unless_dead(self.llm.start_weight_update())
+
+    async def update_weights(self, update_info: dict[str, Any]) -> None:
+        """Receive and load what the trainer sends for `update_info` (the backend's own payload)."""
+        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+
+        await self._unless_dead(self.llm.update_weights(WeightTransferUpdateRequest(update_info)))
+
+    async def finish_weight_update(self, version: int | None = None,
+                                   on_loaded: Callable[[], None] | None = None) -> float:
+        """Close the reload, drop KV made with the old weights, label them `version`, resume.
 
         `on_loaded` runs after the new weights are in and before generation resumes: bump the
         policy version there so that every token sampled with the new weights carries it.
@@ -154,23 +171,16 @@ class Engine:
         served over HTTP learn which version sampled each of their tokens (rlray.server).
         Returns the seconds the engine was paused.
         """
-        start = time.perf_counter()
-        await self._unless_dead(self.llm.pause_generation(mode="keep", clear_cache=False))
-        try:
-            await self._unless_dead(self.llm.collective_rpc("rlray_receive_weights"))
-            # KV computed with the old weights must not be reused: running requests are recomputed.
-            await self._unless_dead(self.llm.reset_prefix_cache(reset_running_requests=True))
-            if version is not None:
-                await self._unless_dead(self.llm.update_weight_version(str(version)))
-            if on_loaded is not None:
-                on_loaded()
-        finally:
-            if not self.llm.errored:
-                await self._unless_dead(self.llm.resume_generation())
-        return time.perf_counter() - start
+        await self._unless_dead(self.llm.finish_weight_update(None if version is None else str(version)))
+        # KV computed with the old weights must not be reused: running requests are recomputed.
+        await self._unless_dead(self.llm.reset_prefix_cache(reset_running_requests=True))
+        if on_loaded is not None:
+            on_loaded()
+        await self._unless_dead(self.llm.resume_generation())
+        return time.perf_counter() - self._paused_at
 
-    async def close_weight_group(self) -> None:
-        await self._unless_dead(self.llm.collective_rpc("rlray_close_weight_group"))
+    async def shutdown_weight_transfer(self) -> None:
+        await self._unless_dead(self.llm.shutdown_weight_transfer_engine())
 
     async def shutdown(self) -> None:
         """Stop the engine and its processes (blocks for a few seconds)."""

@@ -1,11 +1,13 @@
 """RolloutFleet: the rollout actors, their weight group, weight syncs, RL loops and replacement.
 
 Contract:
-- `RolloutFleet(config, handles, plan)` owns `handles.rollouts` (replacements are swapped in
+- `RolloutFleet(config, handles)` owns `handles.rollouts` (replacements are swapped in
   there, so `cluster.teardown(handles)` kills the current ones) and the weight group: `open()`
-  forms it (trainer ranks + every engine worker; engine i's workers are ranks 1 + i*tp ...),
-  `close(indices)` makes the trainer and rollout actors `indices` leave it.
-- `sync(version)` loads the trainer's current weights into every engine, labelled `version`.
+  forms it through vLLM's weight-transfer protocol (trainer rank 0 + every engine worker, as
+  many ranks per engine as it has workers), handing trainer rank 0 a `FleetClient` over the
+  rollout actors; `close(indices)` makes the trainer and rollout actors `indices` leave it.
+- `sync(version)` loads the trainer's current weights into every engine, labelled `version`:
+  the trainer ranks' `broadcast_weights(version)`, rank 0 driving the engines.
   A rollout actor is lost when it died as a Ray actor, or its engine can serve no more
   (`rollout.EngineFailed`: the engine died, or failed `rollout.max_failed_groups` groups in a
   row; its RL loop ends with that error). Actors found lost before the broadcast or during it
@@ -34,7 +36,7 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayError
 from rlray import cluster
 from rlray.config import Config
 from rlray.rollout import EngineFailed
-from rlray.weights import Bucket
+from rlray.weights import TrainerSpec, rank_offsets
 
 
 def _one_line(error: BaseException) -> str:
@@ -61,11 +63,40 @@ def errors(refs: list[Any], timeout: float | None) -> dict[int, RayError]:
     return failed
 
 
+class FleetClient:
+    """vLLM's `VLLMWeightSyncClient` over rollout actors: each call goes to every actor and waits
+    for all (within `timeout_s`). Engine i's workers take weight-group ranks from the trainer's
+    `rank_offset` plus the workers of engines 0..i-1: vLLM's own Ray client gives every handle
+    the same offset, which fits the replicas of one engine, not independent engines.
+    `weight_version`, set before each sync, labels the weights at finish (vLLM's NCCL trainer
+    engine finishes without one)."""
+
+    def __init__(self, handles: list[Any], workers: list[int], timeout_s: float) -> None:
+        self.handles, self.workers, self.timeout_s = handles, workers, timeout_s
+        self.weight_version = "0"
+
+    def _all(self, refs: list[Any]) -> list[Any]:
+        return ray.get(refs, timeout=self.timeout_s)
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        offsets = rank_offsets(init_info["rank_offset"], self.workers)
+        self._all([h.init_weight_transfer_engine.remote({**init_info, "rank_offset": offset})
+                   for h, offset in zip(self.handles, offsets)])
+
+    def start_weight_update(self) -> None:
+        self._all([h.start_weight_update.remote() for h in self.handles])
+
+    def update_weights(self, update_info: dict[str, Any] | list[dict[str, Any]]) -> None:
+        self._all([h.update_weights.remote(update_info) for h in self.handles])
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self._all([h.finish_weight_update.remote(weight_version or self.weight_version) for h in self.handles])
+
+
 class RolloutFleet:
-    def __init__(self, c: Config, handles: cluster.Handles, plan: list[Bucket]) -> None:
+    def __init__(self, c: Config, handles: cluster.Handles) -> None:
         self.c = c
         self.h = handles
-        self.plan = plan  # the weight buckets, from trainer rank 0
         self.restarts = 0  # rollout actors replaced so far
         self.incarnations = [0] * len(handles.rollouts)
         self.loops: list[Any] = []  # each actor's RL loop while RL runs (None while it is replaced)
@@ -75,20 +106,21 @@ class RolloutFleet:
 
     # ---- weight group -----------------------------------------------------------------
     def open(self) -> int:
-        """Form the weight group; returns its size."""
+        """Form the weight group (trainer rank 0 + every engine's workers); returns its size."""
         host, port = cluster.free_address(self.h.trainer_pg, 0)
-        tp = self.c.rollout.tensor_parallel_size
-        world = 1 + len(self.h.rollouts) * tp
-        args = (cluster.backend(self.c), self.c.weights.timeout_s, self.plan)
-        ray.get([t.init_weight_group.remote(host, port, world, *args) for t in self.h.trainers]
-                + [r.init_weight_group.remote(host, port, 1 + i * tp, world, *args)
-                   for i, r in enumerate(self.h.rollouts)])
+        w = self.c.weights
+        workers = ray.get([r.workers.remote() for r in self.h.rollouts])
+        world = 1 + sum(workers)
+        spec = TrainerSpec(cluster.backend(self.c), host, port, world, w.bucket_mb << 20, w.timeout_s, w.delta,
+                           w.full_every)
+        client = FleetClient(list(self.h.rollouts), workers, w.timeout_s)
+        ray.get([t.init_weight_group.remote(spec, client) for t in self.h.trainers])
         return world
 
     def close(self, indices: list[int]) -> None:
         """The trainer and rollout actors `indices` leave the weight group."""
-        ray.get([self.h.trainers[0].close_weight_group.remote()]
-                + [self.h.rollouts[i].close_weight_group.remote() for i in indices])
+        ray.get([t.close_weight_group.remote() for t in self.h.trainers]
+                + [self.h.rollouts[i].shutdown_weight_transfer_engine.remote() for i in indices])
 
     # ---- weight sync ------------------------------------------------------------------
     def sync(self, version: int) -> dict[str, float]:
@@ -111,25 +143,43 @@ class RolloutFleet:
         return values
 
     def _broadcast(self, version: int) -> tuple[dict[str, float], dict[int, str]]:
-        """One broadcast of the trainer's weights: (its metrics, {}) or ({}, the actors to replace)."""
+        """One sync of the trainer's weights: (its metrics, {}) or ({}, the actors to replace)."""
         timeout = self.c.weights.timeout_s
-        sends = [t.broadcast_weights.remote() for t in self.h.trainers]
-        pulls = [r.update_weights.remote(version) for r in self.h.rollouts]
+        sends = [t.broadcast_weights.remote(version) for t in self.h.trainers]
         try:
-            out = ray.get(sends + pulls, timeout=timeout)
+            out = ray.get(sends, timeout=timeout)
         except RayError as e:
-            # A lost receiver fails the broadcast; closing the sender's end releases the others.
+            # Rank 0 closed its end when its broadcast failed, which releases the engines blocked in it.
             ray.wait(sends, num_returns=len(sends), timeout=timeout)
-            ray.get(self.h.trainers[0].close_weight_group.remote())
-            failed = errors(pulls, timeout)
-            lost = {i: cause for i, err in failed.items() if (cause := loss_cause(err)) is not None}
+            ray.get([t.close_weight_group.remote() for t in self.h.trainers])
+            lost = self._lost_in_sync(version, timeout)
             if not lost:
                 raise self._sync_error(version, e) from e
-            broke = "its weight load broke when the weight group lost " + ", ".join(self.names()[i] for i in lost)
-            return {}, {i: lost.get(i, broke) for i in failed}
+            return {}, lost
         sent = out[0]
-        return ({"sync_seconds": max(o.get("sync_seconds", o.get("load_seconds", 0.0)) for o in out),
-                 "sync_gb_per_s": sent["sync_bytes"] / max(sent["sync_seconds"], 1e-9) / 1e9}, {})
+        return {"sync_seconds": sent["sync_seconds"], "sync_mb": sent["sync_bytes"] / 1e6,
+                "sync_changed_frac": sent["changed_frac"],
+                "sync_gb_per_s": sent["sync_bytes"] / max(sent["sync_seconds"], 1e-9) / 1e9}, {}
+
+    def _lost_in_sync(self, version: int, timeout: float) -> dict[int, str]:
+        """After a failed sync: the actors that died, whose engine failed, or that do not hold
+        `version` (their load broke off with the group: an engine left mid-reload cannot serve)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            refs = [r.stats.remote() for r in self.h.rollouts]
+            failed = errors(refs, max(1.0, deadline - time.monotonic()))
+            stats = {i: ray.get(ref) for i, ref in enumerate(refs) if i not in failed}
+            if time.monotonic() > deadline or not any(s["loading"] and s["version"] != version
+                                                      and s["failure"] is None for s in stats.values()):
+                break
+            time.sleep(0.2)  # a load still blocked in the broadcast ends once rank 0's end is closed
+        lost = {i: cause for i, err in failed.items() if (cause := loss_cause(err)) is not None}
+        lost |= {i: s["failure"] for i, s in stats.items()
+                 if s["failure"] is not None}
+        if not lost:
+            return {}
+        broke = "its weight load broke when the weight group lost " + ", ".join(self.names()[i] for i in lost)
+        return lost | {i: broke for i, s in stats.items() if i not in lost and s["version"] != version}
 
     def _sync_error(self, version: int, error: RayError) -> RuntimeError:
         if isinstance(error, GetTimeoutError):

@@ -15,13 +15,17 @@ Contract:
   A failing rollout is a rollout with reward 0 and an error (rlray.envs.runner); only a
   failing engine costs the group (its ticket goes back). The loop ends by raising `EngineFailed`
   once the engine has died (`Engine.death()`) or failed `rollout.max_failed_groups` groups in a row.
-- `init_weight_group(...)` joins the weight broadcast group, `close_weight_group()` leaves
-  it (the group is re-formed when a rollout actor is replaced); `update_weights(version)`
-  pauses generation (in-flight requests are kept), loads the broadcast weights, labels them
-  with `version`, clears the prefix cache and resumes with the new version.
+- Weight sync is vLLM's weight-transfer protocol, this actor being the inference end a
+  `VLLMWeightSyncClient` calls (rlray.fleet.FleetClient, driven from trainer rank 0):
+  `init_weight_transfer_engine(info)` joins the weight group (`workers()` ranks),
+  `shutdown_weight_transfer_engine()` leaves it (it is re-formed when an actor is replaced);
+  `start_weight_update()` pauses generation (in-flight requests are kept), `update_weights(info)`
+  loads what the trainer sends, `finish_weight_update(version)` clears the prefix cache,
+  labels the weights and resumes with the new version. `stats()["loading"]` stays True after
+  a sync that broke off between start and finish.
 - `evaluate(num_examples, num_samples, temperature, max_tokens)` runs this actor's share
   (examples i, i+A, ... of each environment's eval split) and returns per-example records.
-- `update_weights`, `evaluate` and `score` on a dead engine raise `EngineFailed` too (an
+- The weight calls, `evaluate` and `score` on a dead engine raise `EngineFailed` too (an
   evaluation over HTTP would otherwise return every sample as a reward-0 error).
 - `stats()` returns counters: groups, tokens, rollouts by path, errors by kind, the last error
   and why the engine can serve no more (`failure`, None while it can); `pid()` the actor's process id.
@@ -61,12 +65,27 @@ def resolve_chat_template(cfg: EnvConfig, tokenizer: Any) -> str:
     return template or getattr(tokenizer, "chat_template", None) or PLAIN_CHAT_TEMPLATE
 
 
+def cpu_binding(workers: int, cores: list[int] | None = None) -> str:
+    """VLLM_CPU_OMP_THREADS_BIND for a CPU engine of `workers` TP workers: this process's cores
+    split into that many equal shares ("0|1", "0,1,2,3|4,5,6,7"). vllm-cpu refuses to start TP
+    workers without it ("Not enough allowed NUMA nodes to bind threads")."""
+    cores = sorted(os.sched_getaffinity(0)) if cores is None else cores
+    if len(cores) < workers:
+        raise ValueError(f"rollout.tensor_parallel_size={workers} CPU workers need as many cores; "
+                         f"this process may use {len(cores)}")
+    share = len(cores) // workers
+    parts = [cores[i * share:(i + 1) * share] for i in range(workers)]
+    return "|".join(",".join(map(str, p)) for p in parts)
+
+
 class RolloutActor:
     def __init__(self, index: int, num_actors: int, model: ModelConfig, rollout: RolloutConfig,
-                 env: EnvConfig, seed: int, run_seed: int = 0) -> None:
+                 env: EnvConfig, seed: int, run_seed: int = 0, weights_backend: str = "gloo") -> None:
         self.index, self.num_actors, self.run_seed = index, num_actors, run_seed
         self.model_cfg, self.cfg, self.env_cfg, self.seed = model, rollout, env, seed
         self.version = 0
+        self.weights_backend = weights_backend
+        self.loading = False  # inside a weight update (start_weight_update without its finish)
         self._stop = asyncio.Event()
         self.last_error: str | None = None
         self.failed_in_a_row = 0  # groups the engine failed since its last good one
@@ -87,9 +106,11 @@ class RolloutActor:
         template = resolve_chat_template(self.env_cfg, self.tokenizer)
         bridge = TurnBridge(self.tokenizer, template)  # fails fast on a template it cannot split
         envs = load_envs(self.env_cfg)
+        if self.cfg.gpus_per_actor == 0 and self.cfg.tensor_parallel_size > 1:
+            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_binding(self.cfg.tensor_parallel_size))
         self.engine = await Engine.create(path, max_model_len=self.cfg.max_model_len, seed=self.seed + self.index,
                                           kv_cache_fraction=self.cfg.kv_cache_fraction,
-                                          engine_kwargs=self._engine_kwargs())
+                                          weights_backend=self.weights_backend, engine_kwargs=self._engine_kwargs())
         parser = self.env_cfg.tool_call_parser
         if parser == "auto":
             parser = "rlray" if template == PLAIN_CHAT_TEMPLATE else None
@@ -107,6 +128,10 @@ class RolloutActor:
                                   "tensor_parallel_size": self.cfg.tensor_parallel_size}
         if self.cfg.tensor_parallel_size > 1:  # the engine's workers are processes in this actor's bundle
             kwargs["distributed_executor_backend"] = "mp"
+        if self.cfg.expert_parallel:
+            kwargs["enable_expert_parallel"] = True
+        if self.cfg.quantization:
+            kwargs["quantization"] = self.cfg.quantization
         if self.cfg.gpus_per_actor == 0:
             # vLLM 0.32 on CPU: a seeded request whose prefill is split (chunked prefill, or the
             # recompute after a weight update) makes the worker call Generator.set_offset, which CPU
@@ -186,8 +211,11 @@ class RolloutActor:
         self._stop.set()
 
     async def stats(self) -> dict[str, Any]:
+        if getattr(self, "engine", None) is not None:
+            self._check_engine()
         return {**self.stats_, **{f"env/{k}": v for k, v in self.runner.counts.items()},
-                "last_error": self.last_error, "failure": self.failure}
+                "last_error": self.last_error, "failure": self.failure, "version": self.version,
+                "loading": self.loading}
 
     async def pid(self) -> int:
         return os.getpid()
@@ -207,16 +235,29 @@ class RolloutActor:
         if death is not None:
             raise EngineFailed(f"its vLLM engine died ({death})") from error
 
-    async def init_weight_group(self, host: str, port: int, rank: int, world_size: int, backend: str,
-                                timeout_s: float, plan: list) -> None:
-        await self.engine.init_weight_group(host, port, rank, world_size, backend, timeout_s, plan)
+    # ---- vLLM's weight-transfer protocol: the calls of a VLLMWeightSyncClient (rlray.fleet) ----
+    async def workers(self) -> int:
+        """The engine's worker processes: the weight-group ranks this actor takes."""
+        return self.engine.workers()
 
-    async def close_weight_group(self) -> None:
-        await self.engine.close_weight_group()
+    async def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        await self._serving(self.engine.init_weight_transfer(init_info))
 
-    async def update_weights(self, version: int) -> dict[str, float]:
-        seconds = await self._serving(self.engine.update_weights(
-            on_loaded=lambda: setattr(self, "version", version), version=version))
+    async def shutdown_weight_transfer_engine(self) -> None:
+        await self._serving(self.engine.shutdown_weight_transfer())
+
+    async def start_weight_update(self) -> None:
+        self.loading = True  # until finish_weight_update: a sync that breaks off leaves it set
+        await self._serving(self.engine.start_weight_update())
+
+    async def update_weights(self, update_info: dict[str, Any]) -> None:
+        await self._serving(self.engine.update_weights(update_info))
+
+    async def finish_weight_update(self, weight_version: str) -> dict[str, float]:
+        version = int(weight_version)
+        seconds = await self._serving(self.engine.finish_weight_update(
+            version, on_loaded=lambda: setattr(self, "version", version)))
+        self.loading = False
         return {"load_seconds": seconds}
 
     async def evaluate(self, num_examples: int, num_samples: int = 1, temperature: float = 0.0,

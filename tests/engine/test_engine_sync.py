@@ -9,18 +9,19 @@ from __future__ import annotations
 import asyncio
 import socket
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
-from rlray.bench.common import LoopThread
+from rlray.bench.common import EngineClient, LoopThread
 from rlray.config import ModelConfig
 from rlray.data.tokenizer import char_tokenizer
 from rlray.engine import Engine
 from rlray.models import tiny
-from rlray.weights import WeightSender, open_weight_group, plan_buckets
+from rlray.transfer import ParamSource, trainer_engine
+from rlray.weights import TrainerSpec
 
 pytest.importorskip("vllm")
 
@@ -76,13 +77,16 @@ def free_port() -> int:
 
 
 class Trainer:
-    """The HF model plus the sending end of the weight group."""
+    """The HF model plus its end of vLLM's weight-transfer protocol (rlray's gloo engine)."""
 
     def __init__(self, model: torch.nn.Module) -> None:
+        from vllm.distributed.weight_transfer.base import ParamMeta
+
         self.model = model
-        params = [(n, tuple(p.shape), p.dtype) for n, p in model.named_parameters()]
-        self.plan = plan_buckets(params, BUCKET_BYTES)
-        self.sender: WeightSender | None = None
+        self.source = ParamSource(lambda: [ParamMeta(n, p.dtype, tuple(p.shape)) for n, p in model.named_parameters()],
+                                  lambda: ((n, p.detach()) for n, p in model.named_parameters()))
+        self.transfer = None
+        self.client: EngineClient | None = None
 
     @torch.no_grad()
     def perturb(self, scale: float, seed: int) -> None:
@@ -97,9 +101,18 @@ class Trainer:
         lp = torch.log_softmax(logits, dim=-1).gather(1, torch.tensor(token_ids[1:])[:, None])[:, 0]
         return lp[start - 1 :]
 
-    def send(self) -> int:
-        assert self.sender is not None
-        return self.sender.send(self.model.named_parameters())
+    def connect(self, loop_thread: LoopThread, engines: list[Engine], delta: bool = False) -> None:
+        self.client = EngineClient(loop_thread, engines, timeout_s=60.0)
+        spec = TrainerSpec("gloo", "127.0.0.1", free_port(), 1 + sum(e.workers() for e in engines), BUCKET_BYTES, 60.0,
+                           delta=delta)
+        self.transfer = trainer_engine(spec, 0, self.client, self.source)
+
+    def sync(self, on_loaded: Callable[[], None] | None = None) -> float:
+        """One sync from this thread (the engines receive on their loop); the seconds paused."""
+        assert self.transfer is not None and self.client is not None
+        self.client.on_loaded = on_loaded
+        self.transfer.send_weights()
+        return max(self.client.paused_seconds)
 
 
 @pytest.fixture(scope="module", params=list(MODELS))
@@ -115,21 +128,11 @@ def engine(loop_thread: LoopThread, trainer: tuple[Trainer, Path]) -> Iterator[E
     model, path = trainer
     eng = loop_thread.run(Engine.create(str(path), max_model_len=256, seed=0, kv_cache_fraction=0.05,
                                         engine_kwargs=ENGINE_KWARGS), timeout=300)
-    port = free_port()
-    joined = loop_thread.submit(eng.init_weight_group("127.0.0.1", port, 1, 2, "gloo", 60.0, model.plan))
-    model.sender = WeightSender(model.plan, open_weight_group("127.0.0.1", port, 0, 2, "gloo", 60.0))
-    assert joined.result(60) == [1]
+    model.connect(loop_thread, [eng])
     yield eng
-    loop_thread.run(eng.close_weight_group(), timeout=30)
-    model.sender.group.close()
+    loop_thread.run(eng.shutdown_weight_transfer(), timeout=30)
+    model.transfer.shutdown()
     loop_thread.run(eng.shutdown(), timeout=60)
-
-
-def sync(loop_thread: LoopThread, engine: Engine, trainer: Trainer) -> float:
-    """The trainer sends from this thread while the engine receives on its loop."""
-    update = loop_thread.submit(engine.update_weights())
-    trainer.send()
-    return update.result(60)
 
 
 def max_diff(a: list[float], b: torch.Tensor) -> float:
@@ -183,7 +186,7 @@ def test_sync_makes_vllm_match_trainer(loop_thread: LoopThread, engine: Engine,
     model.perturb(scale=0.05, seed=1)
     before = loop_thread.run(engine.score(TOKENS, len(PROMPT)))
     assert max_diff(before, model.logprobs(TOKENS, len(PROMPT))) > 1e-2
-    seconds = sync(loop_thread, engine, model)
+    seconds = model.sync()
     after = loop_thread.run(engine.score(TOKENS, len(PROMPT)))
     diff = max_diff(after, model.logprobs(TOKENS, len(PROMPT)))
     print(f"sync {seconds:.3f} s, logprob diff before {max_diff(before, model.logprobs(TOKENS, len(PROMPT))):.3g}"
@@ -214,9 +217,7 @@ def test_inflight_generate_survives_update(loop_thread: LoopThread, engine: Engi
                                                  version=current_version, ignore_eos=True))
     assert started.wait(30)
     model.perturb(scale=0.05, seed=2)
-    update = loop_thread.submit(engine.update_weights(on_loaded=lambda: version.__setitem__(0, 2)))
-    model.send()
-    update.result(60)
+    model.sync(on_loaded=lambda: version.__setitem__(0, 2))
     sample = pending.result(60)[0]
 
     assert len(sample.completion_ids) == max_tokens and sample.finish_reason == "length"

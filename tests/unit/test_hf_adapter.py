@@ -41,15 +41,6 @@ def test_fused_experts_layout_and_router_signature(arch: str) -> None:
     assert callable(model._init_weights) and model.model.rotary_emb._non_persistent_buffers_set
 
 
-def test_vllm_cpu_moe_repack_hooks() -> None:
-    pytest.importorskip("vllm")
-    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
-    from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
-
-    assert callable(CPUUnquantizedExperts.process_weights_after_loading)
-    assert "moe_kernel" in inspect.getsource(UnquantizedFusedMoEMethod._setup_kernel)
-
-
 def test_attention_interface_and_sdpa_pieces() -> None:
     """A registered attention function is what the model calls, with no mask built for it;
     transformers' SDPA function and torch's autograd all-gather keep their signatures."""

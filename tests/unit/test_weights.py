@@ -232,3 +232,27 @@ def test_sender_consumes_every_tensor_before_raising_a_lost_peer() -> None:
     with pytest.raises(RuntimeError, match="weight broadcast failed after .* Connection closed by peer"):
         WeightSender(plan, group).send(gathered())  # type: ignore[arg-type]
     assert consumed == [n for n, _ in tensors] and group.calls == 2
+
+
+def test_delta_patches_exactly_what_changed_in_the_wire_dtype() -> None:
+    from rlray.weights import apply_delta, changed_elements, delta_tensors, indices_first
+
+    g = torch.Generator().manual_seed(0)
+    last = {"a": torch.randn(64, 32, generator=g).bfloat16(), "b": (torch.randn(100, generator=g).abs() + 2).bfloat16(),
+            "c": torch.randn(10, generator=g).bfloat16()}
+    new = {k: v.clone() for k, v in last.items()}
+    new["a"].view(-1)[[3, 700, 2047]] += 1.0  # 3 of 2048: a patch
+    new["b"] = (new["b"].float() + 1e-4).bfloat16()  # a step below bf16's resolution: nothing changes
+    new["c"] += 1.0  # every element: dense is smaller
+    items, counts = [], {}
+    for name, before in last.items():
+        patch, counts[name] = delta_tensors(name, new[name], before)
+        items += patch
+    assert counts == {"a": 3, "b": 0, "c": 10}
+    assert [n for n, _ in indices_first(items)] == ["a.delta_index", "a.delta_value", "c"]
+    patched = {k: v.clone() for k, v in last.items()}
+    apply_delta(patched, indices_first(items))
+    for name in last:
+        assert torch.equal(patched[name].view(torch.int16), new[name].view(torch.int16)), name
+    zero = torch.tensor([0.0, -0.0, float("nan")])
+    assert changed_elements(zero, torch.tensor([0.0, 0.0, float("nan")])).tolist() == [1]  # bit for bit

@@ -1,0 +1,246 @@
+"""weight-sync, end to end: the trainer's weights into real vLLM engines through vLLM's
+weight-transfer protocol (rlray's gloo engines), beside a raw collective of the same bytes.
+
+The driver process is trainer rank 0: an HF model of the size's shapes in fp32, one process (so
+the FSDP gather is not in these numbers; tests/dist covers it). The ceiling is a raw gloo
+broadcast of the same buckets from the driver to a helper process, nothing else, in the same
+run. Per engine (its dtype and TP size) it times:
+- dense: full syncs, split as the trainer sees them: start (pause, open the layerwise reload),
+  update (the broadcast and, beside it, the worker's load of each bucket) and finish (finalize
+  the reload, reset the prefix cache, resume);
+- delta (`weights.delta`): after each AdamW step at a learning rate (the default recipe's RL
+  rate, 1e-4, first), a delta sync: bytes sent, the changed fraction, seconds;
+- a bf16 engine also takes the fp32 wire (the trainer's fp32 master weights, cast by the
+  engine): what the weight path sent before it cast to the engine's dtype.
+After every sync the engine scores a sequence and its logprobs are compared with the trainer's.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from rlray.bench.common import EngineClient, LoopThread, free_port, median, ratio
+
+GB = 1e9
+PHASES = ("start_weight_update", "update_weights", "finish_weight_update")
+
+
+class TimedClient(EngineClient):
+    """An EngineClient that times each protocol call of the last sync."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.phases: dict[str, float] = {}
+
+    def _timed(self, name: str, call: Callable[[], None]) -> None:
+        t0 = time.perf_counter()
+        call()
+        self.phases[name] = time.perf_counter() - t0
+
+    def start_weight_update(self) -> None:
+        self._timed("start_weight_update", super().start_weight_update)
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        self._timed("update_weights", lambda: super(TimedClient, self).update_weights(update_info))
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self._timed("finish_weight_update", lambda: super(TimedClient, self).finish_weight_update(weight_version))
+
+
+def _raw_receiver(host: str, port: int, numels: list[int], rounds: int) -> None:
+    from rlray.weights import open_weight_group
+
+    group = open_weight_group(host, port, 1, 2, "gloo", 300.0)
+    flat = torch.empty(max(numels), dtype=torch.uint8)
+    for _ in range(rounds):
+        for n in numels:
+            group.broadcast(flat[:n])
+        group.pg.allreduce([torch.zeros(1)]).wait()
+    group.close()
+
+
+def raw_collective(bucket_bytes: list[int], rounds: int) -> list[float]:
+    """Seconds of each round of broadcasting buckets of `bucket_bytes` to a helper process."""
+    from rlray.weights import open_weight_group
+
+    port = free_port()
+    helper = mp.get_context("spawn").Process(target=_raw_receiver, args=("127.0.0.1", port, bucket_bytes, rounds + 1))
+    helper.start()
+    group = open_weight_group("127.0.0.1", port, 0, 2, "gloo", 300.0)
+    flat = torch.ones(max(bucket_bytes), dtype=torch.uint8)
+    times = []
+    for rnd in range(rounds + 1):
+        t0 = time.perf_counter()
+        for n in bucket_bytes:
+            group.broadcast(flat[:n])
+        group.pg.allreduce([torch.zeros(1)]).wait()  # the helper has every byte
+        if rnd:
+            times.append(time.perf_counter() - t0)
+    group.close()
+    helper.join(60)
+    return times
+
+
+class Setup:
+    """The driver's model (trainer rank 0), its optimizer, and a sequence to score."""
+
+    def __init__(self, path: str, lr: float) -> None:
+        from transformers import AutoModelForCausalLM
+
+        self.path = path
+        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr)
+        g = torch.Generator().manual_seed(0)
+        vocab = self.model.config.vocab_size
+        self.batch = torch.randint(3, vocab, (8, 64), generator=g)
+        self.tokens = self.batch[0, :48].tolist()
+
+    def step(self, lr: float) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        loss = self.model(input_ids=self.batch, labels=self.batch).loss
+        loss.backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    @torch.no_grad()
+    def logprobs(self) -> torch.Tensor:
+        ids = torch.tensor([self.tokens])
+        logits = self.model(ids).logits[0, :-1].float()
+        return torch.log_softmax(logits, -1).gather(1, ids[0, 1:, None])[:, 0]
+
+    def source(self, dtype: torch.dtype) -> Any:
+        from vllm.distributed.weight_transfer.base import ParamMeta
+
+        from rlray.transfer import ParamSource
+
+        params = self.model.named_parameters
+        return ParamSource(lambda: [ParamMeta(n, dtype, tuple(p.shape)) for n, p in params()],
+                           lambda: ((n, p.detach().to(dtype)) for n, p in params()))
+
+
+def start_engine(loop: LoopThread, path: str, dtype: str, tp: int) -> Any:
+    from rlray.engine import Engine
+    from rlray.rollout import cpu_binding
+
+    kwargs: dict[str, Any] = {"dtype": dtype, "enforce_eager": True, "kv_cache_memory_bytes": 64 << 20,
+                              "tensor_parallel_size": tp, "enable_chunked_prefill": False}
+    if tp > 1:
+        kwargs["distributed_executor_backend"] = "mp"
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_binding(tp)
+    try:
+        return loop.run(Engine.create(path, max_model_len=128, seed=0, engine_kwargs=kwargs), timeout=600)
+    finally:
+        os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
+
+
+def measure_engine(setup: Setup, loop: LoopThread, engine: Any, label: str, wire: torch.dtype, bucket_mb: int,
+                   repeats: int, lrs: list[float], raw_gbs: float) -> list[dict[str, Any]]:
+    """Dense rounds, then (for the engine's own wire dtype) delta rounds after optimizer steps."""
+    from rlray.transfer import trainer_engine
+    from rlray.weights import TrainerSpec
+
+    rows = []
+    modes = [("dense", None)] + ([("delta", lr) for lr in lrs] if lrs else [])
+    for mode, lr in modes:
+        client = TimedClient(loop, [engine])
+        spec = TrainerSpec("gloo", "127.0.0.1", free_port(), 1 + engine.workers(), bucket_mb << 20, 300.0,
+                           delta=mode == "delta", full_every=1 << 30)
+        transfer = trainer_engine(spec, 0, client, setup.source(wire))
+        if mode == "delta":
+            transfer.send_weights()  # the full sync a delta needs first
+        times, phases, stats, diffs = [], [], [], []
+        for rnd in range(repeats + (mode == "dense")):
+            if lr is not None:
+                setup.step(lr)
+            t0 = time.perf_counter()
+            transfer.send_weights()
+            seconds = time.perf_counter() - t0
+            scored = torch.tensor(loop.run(engine.score(setup.tokens, 1)))
+            diffs.append(float((scored - setup.logprobs()).abs().max()))
+            if mode == "delta" or rnd:
+                times.append(seconds)
+                phases.append(dict(client.phases))
+                stats.append(dict(transfer.stats))
+        loop.run(engine.shutdown_weight_transfer())
+        transfer.shutdown()
+        rows.append(_row(label, wire, mode, lr, times, phases, stats, diffs, raw_gbs))
+        r = rows[-1]
+        print(f"  {label:<10} {r['wire']:<8} {r['mode']:<14} {r['mb_sent']:8.1f} MB  {r['seconds']:.3f} s  "
+              f"changed {r['changed_frac']:.3f}  logprob diff {r['logprob_diff']:.1e}", flush=True)
+    return rows
+
+
+def _row(label: str, wire: torch.dtype, mode: str, lr: float | None, times: list[float],
+         phases: list[dict[str, float]], stats: list[dict[str, float]], diffs: list[float],
+         raw_gbs: float) -> dict[str, Any]:
+    sent = median([s["sync_bytes"] for s in stats])
+    seconds = median(times)
+    return {"engine": label, "wire": str(wire).removeprefix("torch."),
+            "mode": mode if lr is None else f"{mode} lr={lr:g}", "mb_sent": sent / 1e6,
+            "changed_frac": median([s["changed_frac"] for s in stats]), "seconds": seconds,
+            "seconds_all": times, **{p.split("_")[0] + "_s": median([ph[p] for ph in phases]) for p in PHASES},
+            "gb_per_s": sent / seconds / GB, "vs_raw": ratio(sent / seconds / GB, raw_gbs),
+            "logprob_diff": max(diffs)}
+
+
+def measure(path: str, engines: list[tuple[str, int]], bucket_mb: int, repeats: int,
+            lrs: list[float]) -> list[dict[str, Any]]:
+    """Rows for every engine (dtype, TP), a raw-collective row per wire dtype first."""
+    from rlray.weights import plan_buckets
+
+    setup = Setup(path, lrs[0] if lrs else 1e-4)
+    rows: list[dict[str, Any]] = []
+    raw: dict[torch.dtype, float] = {}
+    for wire in dict.fromkeys([torch.float32, *(getattr(torch, d) for d, _ in engines)]):
+        plan = plan_buckets([(n, tuple(p.shape), wire) for n, p in setup.model.named_parameters()], bucket_mb << 20)
+        sizes = [b.numel * wire.itemsize for b in plan]
+        times = raw_collective(sizes, repeats)
+        raw[wire] = sum(sizes) / median(times) / GB
+        rows.append({"engine": "raw gloo", "wire": str(wire).removeprefix("torch."), "mode": "broadcast only",
+                     "mb_sent": sum(sizes) / 1e6, "changed_frac": 1.0, "seconds": median(times), "seconds_all": times,
+                     "gb_per_s": raw[wire], "vs_raw": 1.0})
+        print(f"  raw gloo   {rows[-1]['wire']:<8} {sum(sizes) / 1e6:8.1f} MB  {median(times):.3f} s", flush=True)
+    loop = LoopThread()
+    try:
+        for dtype, tp in engines:
+            t0 = time.perf_counter()
+            engine = start_engine(loop, path, dtype, tp)
+            label = f"{dtype.replace('float', 'fp').replace('bfp', 'bf')} TP{tp}"
+            print(f"vLLM engine {label} started in {time.perf_counter() - t0:.1f}s", flush=True)
+            try:
+                wire = getattr(torch, dtype)
+                rows += measure_engine(setup, loop, engine, label, wire, bucket_mb, repeats, lrs, raw[wire])
+                if wire != torch.float32:  # the fp32 master weights on the wire, the engine casting them
+                    rows += measure_engine(setup, loop, engine, label, torch.float32, bucket_mb, repeats, [],
+                                           raw[torch.float32])
+            finally:
+                loop.run(engine.shutdown(), timeout=120)
+    finally:
+        loop.close()
+    return rows
+
+
+def ratios(rows: list[dict[str, Any]], size: str) -> dict[str, float]:
+    by = {(r["engine"], r["wire"], r["mode"]): r for r in rows}
+    out: dict[str, float] = {}
+    for (engine, wire, mode), r in by.items():
+        if engine == "raw gloo":
+            continue
+        if mode == "dense":
+            out[f"{size} {engine} {wire} wire: end to end / raw collective"] = r["vs_raw"]
+        else:
+            out[f"{size} {engine} {mode}: delta / dense bytes"] = ratio(r["mb_sent"], by[(engine, wire, "dense")]["mb_sent"])
+    for engine in {r["engine"] for r in rows if r["wire"] == "bfloat16" and r["engine"] != "raw gloo"}:
+        bf, fp = by[(engine, "bfloat16", "dense")], by[(engine, "float32", "dense")]
+        out[f"{size} {engine}: bf16 / fp32 wire seconds"] = ratio(bf["seconds"], fp["seconds"])
+    if ("fp32 TP2", "float32", "dense") in by:
+        out[f"{size} fp32: TP2 / TP1 engine sync seconds"] = ratio(by[("fp32 TP2", "float32", "dense")]["seconds"],
+                                                                  by[("fp32 TP1", "float32", "dense")]["seconds"])
+    return out

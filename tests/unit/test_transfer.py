@@ -1,0 +1,106 @@
+"""rlray's gloo engine in vLLM's weight-transfer protocol: registration, rank offsets per
+engine, CPU core shares for TP workers, and a pin on every vLLM attribute rlray.transfer uses."""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+from typing import Any
+
+import pytest
+
+from rlray.bench.common import EngineClient, LoopThread
+from rlray.rollout import cpu_binding
+
+vllm = pytest.importorskip("vllm")
+
+
+def test_gloo_is_registered_in_both_factories_once() -> None:
+    from vllm.distributed.weight_transfer.factory import (
+        WeightTransferEngineFactory,
+        WeightTransferTrainerFactory,
+    )
+    from vllm.plugins import load_general_plugins
+
+    from rlray.transfer import GlooTrainerWeightTransferEngine, GlooWeightTransferEngine, register
+
+    load_general_plugins()  # what every vLLM process does: the entry point in pyproject.toml
+    register()  # a second registration is harmless
+    assert WeightTransferEngineFactory._registry["gloo"]() is GlooWeightTransferEngine
+    assert WeightTransferTrainerFactory._registry["gloo"]() is GlooTrainerWeightTransferEngine
+    assert "nccl" in WeightTransferTrainerFactory._registry  # the GPU path is vLLM's own
+
+
+class FakeEngine:
+    def __init__(self, workers: int) -> None:
+        self.n, self.infos = workers, []
+
+    def workers(self) -> int:
+        return self.n
+
+    async def init_weight_transfer(self, init_info: dict[str, Any]) -> None:
+        await asyncio.sleep(0)
+        self.infos.append(init_info)
+
+
+def test_each_engine_gets_ranks_after_the_previous_engines_workers() -> None:
+    loop = LoopThread()
+    try:
+        engines = [FakeEngine(2), FakeEngine(1), FakeEngine(4)]
+        EngineClient(loop, engines).init_weight_transfer_engine({"rank_offset": 1, "world_size": 8})
+    finally:
+        loop.close()
+    assert [e.infos[0]["rank_offset"] for e in engines] == [1, 3, 4]
+    assert all(e.infos[0]["world_size"] == 8 for e in engines)
+
+
+def test_rank_offsets() -> None:
+    from rlray.weights import rank_offsets
+
+    assert rank_offsets(1, [2, 1, 4]) == [1, 3, 4]
+    assert rank_offsets(1, []) == []
+
+
+def test_cpu_binding_gives_each_worker_its_share_of_cores() -> None:
+    assert cpu_binding(2, [0, 1]) == "0|1"
+    assert cpu_binding(2, [0, 1, 2, 3, 4]) == "0,1|2,3"
+    assert cpu_binding(2, [4, 6, 8, 10]) == "4,6|8,10"
+    with pytest.raises(ValueError, match="rollout.tensor_parallel_size=3 CPU workers need as many cores"):
+        cpu_binding(3, [0, 1])
+
+
+def test_vllm_pieces_rlray_transfer_uses() -> None:
+    """Each vLLM attribute rlray.transfer and rlray.engine rely on, as vLLM 0.32 has it."""
+    from vllm.config import ParallelConfig
+    from vllm.distributed.weight_transfer.base import (
+        TrainerWeightTransferEngine,
+        WeightTransferEngine,
+        WeightTransferInitRequest,
+        WeightTransferUpdateRequest,
+    )
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+    from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
+    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+    from vllm.v1.engine.async_llm import AsyncLLM
+    from vllm.v1.worker.cpu_worker import CPUWorker
+    from vllm.v1.worker.gpu_worker import Worker
+
+    assert {"init_transfer_engine", "start_weight_update", "finish_weight_update", "receive_weights",
+            "shutdown"} <= WeightTransferEngine.__abstractmethods__
+    assert {"trainer_init", "send_weights"} <= TrainerWeightTransferEngine.__abstractmethods__
+    assert list(inspect.signature(WeightTransferInitRequest).parameters) == ["init_info"]
+    assert list(inspect.signature(WeightTransferUpdateRequest).parameters) == ["update_info"]
+    for name in ("init_weight_transfer_engine", "start_weight_update", "update_weights", "finish_weight_update",
+                 "shutdown_weight_transfer_engine", "pause_generation", "resume_generation", "reset_prefix_cache"):
+        assert callable(getattr(AsyncLLM, name)), name
+    assert issubclass(CPUWorker, Worker) and "weight_transfer_engine" in inspect.getsource(Worker.load_model)
+    fields = ParallelConfig.__dataclass_fields__
+    assert {"data_parallel_index", "data_parallel_size", "rank"} <= set(fields)
+    assert isinstance(ParallelConfig.world_size, property) or "world_size" in fields
+    from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_processing
+
+    assert "finalize_layerwise_processing(*args, **kwargs)" in inspect.getsource(finalize_layerwise_reload)
+    assert list(inspect.signature(finalize_layerwise_processing).parameters) == ["model", "model_config"]
+    assert callable(initialize_layerwise_reload)
+    assert callable(CPUUnquantizedExperts.process_weights_after_loading)
+    assert "moe_kernel" in inspect.getsource(UnquantizedFusedMoEMethod._setup_kernel)
