@@ -11,7 +11,7 @@ Contract:
 - Token ids and logprobs come back when a request asks for them (`logprobs: true`,
   `return_token_ids: true`); logprobs are the engine's `processed_logprobs`.
 - Every finished request's weight-version spans (which policy version sampled which
-  output tokens; vLLM labels them, see `Engine.update_weights`) are kept by response id:
+  output tokens; vLLM labels them, see `Engine.finish_weight_update`) are kept by response id:
   `versions(response_id, num_tokens)` returns one version per output token.
 - A tokenizer without a chat template gets `PLAIN_CHAT_TEMPLATE` (bos, then every
   message's text; an assistant turn ends with eos; tool calls are written `name(args)`),

