@@ -6,7 +6,7 @@ vLLM 0.32 defines the protocol (`vllm.distributed.weight_transfer`): the trainer
 (concurrently with the trainer's broadcast) and `finish_weight_update`; each worker holds a
 `WeightTransferEngine` built by vLLM's factory from `weight_transfer_config={"backend": ...}`.
 On GPUs rlray uses vLLM's own "nccl" engines; none of vLLM's engines runs on CPU, so this
-module adds "gloo", and CPU and GPU differ by `weights.backend` only.
+module adds "gloo", and CPU and GPU differ by the backend name only (`cluster.backend`).
 
 Contract:
 - `register()` adds "gloo" to vLLM's worker and trainer factories (idempotent). vLLM calls it
@@ -346,5 +346,5 @@ def trainer_engine(spec: TrainerSpec, rank: int, client: VLLMWeightSyncClient,
         info = NCCLTrainerInitInfo(spec.master_address, spec.master_port, spec.world_size, packed=True,
                                    packed_buffer_size_bytes=spec.bucket_bytes, rank=rank)
     else:
-        raise ValueError(f"weights.backend must be 'gloo' or 'nccl', got {spec.backend!r}")
+        raise ValueError(f"cluster.backend must be 'gloo' or 'nccl' for the weight path, got {spec.backend!r}")
     return WeightTransferTrainerFactory.trainer_init(info, client=client, source=source)
