@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import json
+import math
 import sys
 import threading
 import time
@@ -19,6 +20,8 @@ from pathlib import Path
 
 import ray
 
+from rlray.algo.presets import PRESETS
+from rlray.config import Config
 from rlray.controller import run
 from tests.ray.conftest import tiny_config
 
@@ -105,12 +108,23 @@ def rollout_endpoint(deadline: float) -> str:
     raise TimeoutError("the rollout actor never served its endpoint")
 
 
+# Two runs here also train with a loss of their own, as tests/ray/test_losses_e2e would in a run of its own
+# (not the hanging-tool run: its rewards are all equal, so every gradient is zero whatever the loss).
+LOSSES = {"flaky": "gspo", "game": "cispo"}
+
+
+def assert_loss_trained(c: Config, rl: list[dict], name: str) -> None:
+    assert c.algo.loss == name
+    assert all(math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) and r["mismatch_kl"] >= 0 for r in rl)
+    assert any(r["grad_norm"] > 0 for r in rl)
+
+
 def test_env_module_trains_by_id_with_failures_while_serving_openai(ray_cluster, tmp_path) -> None:
     from openai import OpenAI
 
     folder = write_module(tmp_path / "envs", "rlray_test_flaky_env", FLAKY_ENV)
     c = tiny_config(tmp_path, env={"id": "rlray_test_flaky_env", "python_path": [folder]}, rl={"steps": 4},
-                    eval={"num_examples": 8, "num_samples": 2, "temperature": 1.0})
+                    eval={"num_examples": 8, "num_samples": 2, "temperature": 1.0}, algo=PRESETS[LOSSES["flaky"]])
     c.stages = ["rl"]
     out: dict = {}
     thread = threading.Thread(target=lambda: out.update(summary=run(c)), daemon=True)
@@ -130,6 +144,7 @@ def test_env_module_trains_by_id_with_failures_while_serving_openai(ray_cluster,
     rl = records(c.run.dir, "metrics.jsonl", "rl")
     assert [x["step"] for x in rl] == list(range(4))
     assert rl[-1]["rollout_errors"] > 0  # counted by the buffer
+    assert_loss_trained(c, rl, LOSSES["flaky"])
     evals = records(c.run.dir, "eval_results.jsonl", "rl-end")
     assert len(evals) == 8 and all(len(e["rewards"]) == 2 for e in evals)
     for e in evals:
@@ -170,7 +185,7 @@ def test_multi_turn_game_trains_on_every_rollout(ray_cluster, tmp_path) -> None:
     model turn carries loss; long turns let the random model end most of its turns with eos."""
     c = tiny_config(tmp_path, "env.args={max_turns:4}", env={"id": "guess_number"},
                     rollout={"max_tokens": 48, "max_model_len": 256}, rl={"steps": 2},
-                    eval={"num_examples": 4})
+                    eval={"num_examples": 4}, algo=PRESETS[LOSSES["game"]])
     c.stages = ["rl"]
     run(c)
     rl = records(c.run.dir, "metrics.jsonl", "rl")
@@ -179,3 +194,4 @@ def test_multi_turn_game_trains_on_every_rollout(ray_cluster, tmp_path) -> None:
     assert all(x.get("errors/TokenMismatch", 0) == 0 for x in rl)
     assert max(x["env/guess_number/turns_mean"] for x in rl) > 1.2
     assert all(x["env/guess_number/tokens_mean"] > 0 for x in rl)
+    assert_loss_trained(c, rl, LOSSES["game"])

@@ -1,6 +1,8 @@
 """Every RL objective, chosen by name from its paper preset, trains a few steps end to end (on one
 trainer rank: the multi-rank paths are the same for every loss and are tested in tests/dist).
-DAPO and Dr.GRPO, GRPO's surrogate under other presets, train in tests/ray/test_rl_loop's runs."""
+Losses that other runs already train get no run of their own: DAPO and Dr.GRPO in
+tests/ray/test_rl_loop, GSPO and CISPO in tests/ray/test_envs, GRPO in tests/ray/test_replace
+(same checks)."""
 
 from __future__ import annotations
 
@@ -13,9 +15,11 @@ import pytest
 from rlray.algo.presets import PRESETS
 from rlray.controller import run
 from tests.ray.conftest import tiny_config
+from tests.ray.test_envs import LOSSES as IN_ENVS
+from tests.ray.test_replace import LOSSES as IN_REPLACE
 from tests.ray.test_rl_loop import LOSSES as IN_RL_LOOP
 
-OWN_RUN = sorted(set(PRESETS) - set(IN_RL_LOOP))  # a new loss gets its own run unless rl_loop trains it
+OWN_RUN = sorted(set(PRESETS) - set(IN_RL_LOOP) - set(IN_ENVS.values()) - set(IN_REPLACE))  # a new loss gets a run of its own
 
 
 @pytest.mark.parametrize("name", OWN_RUN)

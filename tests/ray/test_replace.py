@@ -7,6 +7,7 @@ replacement is up; the trainer waits, then every step runs once, in order.
 from __future__ import annotations
 
 import json
+import math
 import threading
 import time
 from pathlib import Path
@@ -15,6 +16,8 @@ import ray
 
 from rlray.controller import run
 from tests.ray.conftest import tiny_config
+
+LOSSES = ("grpo",)  # the default; this run also checks it as tests/ray/test_losses_e2e would
 
 
 def rl_records(run_dir: str) -> list[dict]:
@@ -67,6 +70,8 @@ def test_killed_rollout_actors_are_replaced(ray_cluster, tmp_path, monkeypatch) 
     assert all(r["lag_max"] == 0 for r in rl)
     assert max(r["mismatch_kl"] for r in rl) < 1e-5
     assert out["summary"]["rl_end_reward"] > 0.0
+    assert c.algo.loss == LOSSES[0]
+    assert all(math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) and r["grad_norm"] > 0 for r in rl)
 
 
 def kill(actor) -> None:  # type: ignore[no-untyped-def]
