@@ -5,18 +5,15 @@ delta syncs (weights.delta) carry only the changed elements and keep them equal.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import torch
 
 from rlray.bench.common import LoopThread
+from rlray.bench.weight_e2e import start_engine
 from rlray.engine import Engine
-from rlray.rollout import cpu_binding
 from tests.engine.test_engine_sync import (
-    ENGINE_KWARGS,
     MODELS,
     PROMPT,
     TOKENS,
@@ -28,17 +25,6 @@ from tests.engine.test_engine_sync import (
 pytest.importorskip("vllm")
 
 
-def start_engine(loop: LoopThread, path: Path, tp: int) -> Engine:
-    kwargs = {**ENGINE_KWARGS, "tensor_parallel_size": tp, "enable_chunked_prefill": False}
-    if tp > 1:
-        kwargs["distributed_executor_backend"] = "mp"
-        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_binding(tp)  # read by the engine's processes at start
-    try:
-        return loop.run(Engine.create(str(path), max_model_len=256, seed=0, engine_kwargs=kwargs), timeout=300)
-    finally:
-        os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
-
-
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LoopThread, Trainer, list[Engine]]]:
     path = tmp_path_factory.mktemp("tiny_tp")
@@ -46,7 +32,7 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LoopThread
     loop = LoopThread()
     engines: list[Engine] = []
     try:
-        engines += [start_engine(loop, path, 2), start_engine(loop, path, 1)]
+        engines += [start_engine(loop, str(path), "float32", 2), start_engine(loop, str(path), "float32", 1)]
         trainer.connect(loop, engines, delta=True)
         yield loop, trainer, engines
     finally:
