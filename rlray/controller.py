@@ -14,6 +14,7 @@ run folder resumes from the newest committed one (an interrupted SFT restarts). 
 controller moves object references and version numbers; rollouts and batches go
 from actor to actor (SFT batches, built from the dataset here, are put once).
 The summary holds the held-out rewards (greedy unless eval.temperature > 0) after SFT and at the end of RL.
+Every run ends, failed ones too, with its curves drawn into `curves.png` (rlray.plot).
 """
 
 from __future__ import annotations
@@ -281,5 +282,17 @@ def run(c: Config) -> dict[str, Any]:
                 {"sft": ctl.sft, "eval": ctl.eval_stage}[name]()
     finally:
         ctl.close()
+        _plot(ctl.run_dir)
     print(f"run folder: {ctl.run_dir.resolve()}", flush=True)
     return ctl.summary
+
+
+def _plot(run_dir: Path) -> None:
+    """The run's curves (rlray.plot) into the run folder, also after a failed run; a run with
+    nothing logged yet has nothing to draw, which is said and is no error."""
+    from rlray.plot import plot_run
+
+    try:
+        print(f"curves: {plot_run(run_dir).removeprefix('wrote ')}", flush=True)
+    except ValueError as e:
+        print(f"curves: none ({e})", flush=True)

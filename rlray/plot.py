@@ -3,8 +3,10 @@
 Contract: reads `RUN_DIR/metrics.jsonl` (the records `rlray.metrics.Metrics.log`
 writes) and renders one PNG, `RUN_DIR/curves.png` unless `--out` says otherwise,
 with one panel each for the RL reward (batch mean, and held-out `eval_reward`
-where logged), the off-policy lag and the throughput, all against the RL step,
-plus an SFT panel (loss, eval reward) when the run had an SFT stage. A resumed
+where logged), the off-policy lag, the throughput, the weight-sync seconds and the
+trainer-vs-engine mismatch KL, all against the RL step, plus an SFT panel (loss,
+eval reward) when the run had an SFT stage; panels without data are left out. The
+controller calls `plot_run(run_dir)` at the end of every run. A resumed
 run appends to the same file: the last record of each (stage, step) wins. A
 truncated last line (a run still writing) is skipped. Exits 1 with one line on
 stderr when the file is missing or holds nothing to plot.
@@ -27,6 +29,9 @@ RL_PANELS = [
     ("Off-policy lag", "policy versions", [("lag_mean", "mean", False), ("lag_max", "max", False)]),
     ("Throughput", "tokens / s", [("rollout_tokens_per_s", "generated", False),
                                   ("train_tokens_per_s", "trained", False)]),
+    ("Weight sync", "seconds", [("sync_seconds", "trainer -> engines", False)]),
+    ("Mismatch KL(engine || trainer)", "nats / token", [("mismatch_kl", "same policy version", False),
+                                                        ("stale_kl", "older versions", False)]),
 ]
 SFT_PANEL = ("Supervised warm-up", "loss / reward",
              [("loss", "loss", False), ("eval_reward", "held-out reward", True)])
@@ -76,9 +81,13 @@ def render(records: list[dict[str, Any]], out: Path, title: str) -> int:
     drawn = [(p, stage, s) for p, stage in panels
              if (s := series(records, stage, [k for k, _, _ in p[2]]))]
     if not drawn:
-        raise ValueError("metrics.jsonl holds no rl reward, lag, throughput or sft loss values to plot")
-    fig, axes = plt.subplots(len(drawn), 1, figsize=(8, 2.6 * len(drawn)), squeeze=False)
-    for ax, ((name, ylabel, lines), stage, data) in zip(axes[:, 0], drawn):
+        raise ValueError("metrics.jsonl holds no values to plot (rl reward, lag, throughput, sync, mismatch; sft loss)")
+    cols = 1 if len(drawn) <= 3 else 2
+    rows = -(-len(drawn) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(7 * cols, 2.8 * rows), squeeze=False)
+    for ax in axes.flat[len(drawn):]:
+        ax.set_visible(False)
+    for ax, ((name, ylabel, lines), stage, data) in zip(axes.flat, drawn):
         for key, label, markers in lines:
             if key in data:
                 steps, values = data[key]
@@ -87,6 +96,7 @@ def render(records: list[dict[str, Any]], out: Path, title: str) -> int:
         ax.set_title(f"{name} ({stage})", fontsize=10)
         ax.set_xlabel(f"{stage} step")
         ax.set_ylabel(ylabel)
+        ax.ticklabel_format(axis="y", style="sci", scilimits=(-3, 4))
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8, loc="best")
     fig.suptitle(title, fontsize=11)
@@ -97,19 +107,25 @@ def render(records: list[dict[str, Any]], out: Path, title: str) -> int:
     return len(drawn)
 
 
+def plot_run(run_dir: Path, out: Path | None = None) -> str:
+    """Render `run_dir`'s curves (default `run_dir/curves.png`); returns the line saying what was
+    written. Raises ValueError when there is nothing to plot."""
+    out = out or run_dir / "curves.png"
+    records = read_records(run_dir / "metrics.jsonl")
+    n = render(records, out, title=run_dir.resolve().name)
+    return f"wrote {out} ({n} panels from {len(records)} records)"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m rlray.plot", description=__doc__.splitlines()[0])
     parser.add_argument("run_dir", type=Path, help="the run folder (run.dir) holding metrics.jsonl")
     parser.add_argument("--out", type=Path, default=None, help="PNG path (default RUN_DIR/curves.png)")
     args = parser.parse_args(argv)
-    out = args.out or args.run_dir / "curves.png"
     try:
-        records = read_records(args.run_dir / "metrics.jsonl")
-        n = render(records, out, title=args.run_dir.resolve().name)
+        print(plot_run(args.run_dir, args.out))
     except ValueError as e:
         print(f"plot error: {e}", file=sys.stderr)
         return 1
-    print(f"wrote {out} ({n} panels from {len(records)} records)")
     return 0
 
 

@@ -54,7 +54,7 @@ def test_plot_writes_curves_png(tmp_path: Path) -> None:
     assert out.is_file() and out.stat().st_size > 1000
     width, height = png_size(out)
     assert width >= 400 and height >= 400
-    assert "4 panels" in proc.stdout  # reward, lag, throughput (rl) and sft
+    assert "5 panels" in proc.stdout  # reward, lag, throughput, sync seconds (rl) and sft; no mismatch KL logged
 
 
 def test_plot_out_option_and_rl_only(tmp_path: Path) -> None:
@@ -75,7 +75,7 @@ def test_plot_missing_or_empty_metrics_exits_1(tmp_path: Path) -> None:
     assert "metrics" in proc.stderr and "Traceback" not in proc.stderr
     (tmp_path / "metrics.jsonl").write_text(json.dumps({"stage": "rl", "step": 0, "note": "x"}) + "\n")
     proc = run_plot(str(tmp_path))
-    assert proc.returncode == 1 and "no rl reward" in proc.stderr
+    assert proc.returncode == 1 and "no values to plot" in proc.stderr
     assert not (tmp_path / "curves.png").exists()
 
 
