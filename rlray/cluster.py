@@ -1,12 +1,14 @@
 """The only module that knows Ray resources: connect, placement groups, spawn actors.
 
-Contract: `connect(cfg, verbose)` joins `cluster.address` / `RAY_ADDRESS` or starts a local Ray
-(dashboard on loopback, logical CPUs declared so fractional bundles fit; the actors' output on
-the console only when `verbose`, always in Ray's session logs; `collect_logs(dest)` copies this
-job's worker logs on this node into the run folder).
+Contract: `connect(cfg, verbose, python_path)` joins `cluster.address` / `RAY_ADDRESS` or starts a
+local Ray (dashboard on loopback, logical CPUs declared so fractional bundles fit; the actors' output
+on the console only when `verbose`, always in Ray's session logs; `collect_logs(dest)` copies this
+job's worker logs on this node into the run folder). The code reaches every node through the job's
+runtime_env (`code_env`): rlray and the modules of `env.python_path` as `py_modules`, so actors on
+nodes without this checkout import the driver's copy.
 `check_resources(gpus, cpus)` compares a plan with the connected cluster.
 `spawn(config)` creates one placement group for the trainer ranks and one for the
-rollout actors (bundle sizes from the config), then the named actors `trainer-i`,
+rollout actors (bundle sizes from the config, on nodes with `*.node_labels`), then the named actors `trainer-i`,
 `rollout-i` and `buffer` from the plain classes; `spawn_rollout` (re)creates one rollout
 actor in its bundle. `free_address(pg, bundle)` returns
 (ip, port) free on the node of that bundle. `teardown(handles)` kills them all.
@@ -17,6 +19,7 @@ from __future__ import annotations
 import os
 import shutil
 import socket
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,14 +36,28 @@ from rlray.trainer import TrainerActor
 REPO = str(Path(__file__).resolve().parent.parent)
 
 
-def connect(cfg: ClusterConfig, verbose: bool = False) -> None:
-    """Join or start Ray. The actors' output (vLLM's INFO lines included) goes to Ray's session
-    logs (`collect_logs` copies them into the run folder); with `verbose` to the console too."""
+SHIPPED = "RLRAY_SHIPPED_CODE"  # set in every actor whose env modules came with the runtime_env
+
+
+def code_env(python_path: Sequence[str] = ()) -> dict[str, Any]:
+    """The runtime_env that ships rlray and each module (a .py file or a package folder) found in
+    the `python_path` folders to every node; PYTHONPATH keeps this checkout for whatever else the
+    driver imports from it (a node without it skips the missing folder)."""
+    modules = [str(Path(__file__).resolve().parent)]
+    for folder in map(Path, python_path):
+        modules += [str(m) for m in sorted(folder.iterdir()) if m.suffix == ".py" or (m / "__init__.py").is_file()]
+    env_vars = {"PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])),
+                "TOKENIZERS_PARALLELISM": "false", SHIPPED: os.pathsep.join(python_path)}
+    return {"py_modules": modules, "env_vars": env_vars}
+
+
+def connect(cfg: ClusterConfig, verbose: bool = False, python_path: Sequence[str] = ()) -> None:
+    """Join or start Ray with `code_env(python_path)`. The actors' output (vLLM's INFO lines
+    included) goes to Ray's session logs (`collect_logs` copies them into the run folder); with
+    `verbose` to the console too."""
     if ray.is_initialized():
         return
-    env_vars = {"PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])),
-                "TOKENIZERS_PARALLELISM": "false"}
-    env = {"env_vars": env_vars}
+    env = code_env(python_path)
     address = cfg.address or os.environ.get("RAY_ADDRESS")
     if address:
         ray.init(address=address, runtime_env=env, log_to_driver=verbose)
@@ -124,10 +141,18 @@ class Handles:
         return self.groups[1]
 
 
-def _pg(name: str, n: int, cpus: float, gpus: float) -> PlacementGroup:
+def _pg(name: str, n: int, cpus: float, gpus: float, labels: dict[str, str], key: str,
+        timeout_s: float = 600) -> PlacementGroup:
     bundle = {"CPU": cpus, **({"GPU": gpus} if gpus else {})}
-    pg = placement_group([dict(bundle) for _ in range(n)], strategy="PACK", name=name)
-    ray.get(pg.ready(), timeout=600)
+    pg = placement_group([dict(bundle) for _ in range(n)], strategy="PACK", name=name,
+                         bundle_label_selector=[dict(labels) for _ in range(n)] if labels else None)
+    try:
+        ray.get(pg.ready(), timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        remove_placement_group(pg)
+        where = f" on nodes labelled {dict(labels)} ({key})" if labels else ""
+        raise RuntimeError(f"placement group {name} ({n} x {bundle}{where}) not placed in {timeout_s:g} s: "
+                           f"the cluster has {ray.available_resources()} free") from None
     return pg
 
 
@@ -139,8 +164,9 @@ def backend(c: Config) -> str:
 
 def spawn(c: Config, pad_id: int) -> Handles:
     t, r = c.trainer, c.rollout
-    tpg = _pg("rlray-trainer", t.num_ranks, t.cpus_per_rank, t.gpus_per_rank)
-    rpg = _pg("rlray-rollout", r.num_actors, r.cpus_per_actor, r.gpus_per_actor)
+    tpg = _pg("rlray-trainer", t.num_ranks, t.cpus_per_rank, t.gpus_per_rank, t.node_labels, "trainer.node_labels")
+    rpg = _pg("rlray-rollout", r.num_actors, r.cpus_per_actor, r.gpus_per_actor, r.node_labels,
+              "rollout.node_labels")
     host, port = free_address(tpg, 0)
     trainers = [
         ray.remote(TrainerActor).options(

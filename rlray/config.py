@@ -57,6 +57,7 @@ class TrainerConfig:
     ep: int = 1  # expert parallelism: ranks that split each MoE layer's experts (divides num_ranks)
     cp: int = 1  # context parallelism: ranks that split each sequence (divides num_ranks; they share a batch)
     activation_checkpointing: bool = False  # recompute each decoder layer's activations in backward
+    node_labels: dict[str, str] = field(default_factory=dict)  # ranks only on Ray nodes with these labels
     max_nonfinite_steps: int = 3  # NaN/inf loss or gradient: the step is skipped; this many in a row stop the run
     seed: int = 0
 
@@ -79,6 +80,7 @@ class RolloutConfig:
     quantization: str = ""  # "fp8": vLLM serves FP8 weights quantized from each sync's bf16 ones (GPU only)
     max_concurrent_groups: int = 64
     max_restarts: int = 3  # rollout actors replaced after a crash during RL, in all; 0: a crash ends the run
+    node_labels: dict[str, str] = field(default_factory=dict)  # engines only on Ray nodes with these labels
     max_failed_groups: int = 3  # an engine failing this many groups in a row is replaced like a dead one
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
 
@@ -437,6 +439,9 @@ def validate(c: Config) -> None:
     _require(c.cluster.backend in ("auto", "gloo", "nccl"), "cluster.backend must be auto, gloo or nccl")
     _require(c.rollout.tensor_parallel_size >= 1, "rollout.tensor_parallel_size must be >= 1")
     _check_engine_shape(c.rollout)
+    missing = [p for p in c.env.python_path if not Path(p).is_dir()]
+    _require(not missing, f"env.python_path: {missing} is not a folder here; give folders that hold environment "
+                          "modules (they are shipped to every node from the driver's copy)")
     _require(c.weights.full_every >= 1, f"weights.full_every={c.weights.full_every} must be >= 1")
     gloo = c.cluster.backend == "gloo" or (c.cluster.backend == "auto" and c.trainer.gpus_per_rank == 0)
     _require(not c.weights.delta or gloo,

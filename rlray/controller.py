@@ -78,7 +78,7 @@ class Controller:
 
     # ---- set-up -------------------------------------------------------------------
     def start(self) -> None:
-        cluster.connect(self.c.cluster, self.c.logging.verbose)
+        cluster.connect(self.c.cluster, self.c.logging.verbose, self.c.env.python_path)
         cluster.check_resources(*needs(self.c))
         t0 = time.perf_counter()
         self._h = cluster.spawn(self.c, pad_id=self.tokenizer.pad_token_id)

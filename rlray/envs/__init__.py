@@ -15,6 +15,7 @@ Contract:
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import sys
 from collections.abc import Iterator, Sequence
@@ -42,7 +43,10 @@ def _no_signal_handlers() -> Iterator[None]:
 
 
 def add_python_path(paths: Sequence[str]) -> None:
-    for p in reversed(list(paths)):
+    """`paths` first on sys.path, except in a Ray actor whose runtime_env brought their modules
+    (rlray.cluster.code_env): that copy is the one every node has."""
+    shipped = os.environ.get("RLRAY_SHIPPED_CODE", "").split(os.pathsep)
+    for p in reversed([p for p in paths if p not in shipped]):
         if p not in sys.path:
             sys.path.insert(0, p)
 

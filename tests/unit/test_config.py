@@ -33,6 +33,7 @@ BAD = [
     (["rollout.expert_parallel=true"], "rollout.expert_parallel=true needs GPU engines"),
     (["rollout.quantization=fp8"], "rollout.quantization=fp8 needs GPU engines"),
     (["rollout.quantization=int3"], "rollout.quantization='int3'"),
+    (["env.python_path=[/no/such/folder]"], "env.python_path: ['/no/such/folder'] is not a folder"),
     (["weights.delta=true", "cluster.backend=nccl"], "weights.delta=true runs on the gloo weight path"),
     (["trainer.ep=3"], "trainer.ep=3"),
     (["+twin=gpu"], "twin/gpu"),

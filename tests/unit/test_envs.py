@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import time
 from math import comb
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -70,6 +71,33 @@ def test_env_module_from_a_folder_on_python_path(tmp_path) -> None:
     cfg = EnvConfig(id="tiny_echo_env", args={"n": 3}, python_path=[str(tmp_path)])
     (env, weight), = load_envs(cfg)
     assert weight == 1.0 and env.num_examples("train") == 3 and env.example("eval", 1).prompt == "q1"
+
+
+def test_env_modules_ship_with_the_runtime_env(tmp_path, monkeypatch) -> None:
+    """rlray and each module of an env.python_path folder travel as py_modules; an actor that got
+    them so (RLRAY_SHIPPED_CODE) leaves the driver's folder off its sys.path."""
+    import sys
+
+    import rlray
+    from rlray.cluster import SHIPPED, code_env
+    from rlray.envs import add_python_path
+
+    (tmp_path / "one_env.py").write_text("")
+    (tmp_path / "pkg_env").mkdir()
+    (tmp_path / "pkg_env" / "__init__.py").write_text("")
+    (tmp_path / "data").mkdir()  # no __init__.py: not a module
+    (tmp_path / "notes.txt").write_text("")
+    env = code_env([str(tmp_path)])
+    assert env["py_modules"] == [str(Path(rlray.__file__).parent), str(tmp_path / "one_env.py"),
+                                 str(tmp_path / "pkg_env")]
+    assert env["env_vars"][SHIPPED] == str(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.setenv(SHIPPED, str(tmp_path))
+    add_python_path([str(tmp_path)])
+    assert str(tmp_path) not in sys.path
+    monkeypatch.delenv(SHIPPED)
+    add_python_path([str(tmp_path)])
+    assert sys.path[0] == str(tmp_path)
 
 
 def test_mix_has_weights() -> None:
