@@ -33,8 +33,8 @@ RL_PANELS = [
     ("Mismatch KL(engine || trainer)", "nats / token", [("mismatch_kl", "same policy version", False),
                                                         ("stale_kl", "older versions", False)]),
 ]
-SFT_PANEL = ("Supervised warm-up", "loss / reward",
-             [("loss", "loss", False), ("eval_reward", "held-out reward", True)])
+SFT_PANEL = ("Supervised warm-up", "loss", [("loss", "loss", False), ("eval_reward", "held-out reward", True)])
+RIGHT_AXIS = {("sft", "eval_reward")}  # (stage, key) drawn against a y axis of its own, on the right
 MARKERS: dict[str, Any] = {"marker": "o", "linestyle": "none", "markersize": 4}
 LINE: dict[str, Any] = {"linewidth": 1.2}
 
@@ -87,18 +87,8 @@ def render(records: list[dict[str, Any]], out: Path, title: str) -> int:
     fig, axes = plt.subplots(rows, cols, figsize=(7 * cols, 2.8 * rows), squeeze=False)
     for ax in axes.flat[len(drawn):]:
         ax.set_visible(False)
-    for ax, ((name, ylabel, lines), stage, data) in zip(axes.flat, drawn):
-        for key, label, markers in lines:
-            if key in data:
-                steps, values = data[key]
-                style = MARKERS if markers else LINE
-                ax.plot(steps, values, label=label, **style)
-        ax.set_title(f"{name} ({stage})", fontsize=10)
-        ax.set_xlabel(f"{stage} step")
-        ax.set_ylabel(ylabel)
-        ax.ticklabel_format(axis="y", style="sci", scilimits=(-3, 4))
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8, loc="best")
+    for ax, (panel, stage, data) in zip(axes.flat, drawn):
+        _panel(ax, panel, stage, data)
     fig.suptitle(title, fontsize=11)
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -107,12 +97,37 @@ def render(records: list[dict[str, Any]], out: Path, title: str) -> int:
     return len(drawn)
 
 
+def _panel(ax: Any, panel: tuple[str, str, list[tuple[str, str, bool]]], stage: str, data: Series) -> None:
+    from matplotlib.ticker import MaxNLocator
+
+    name, ylabel, lines = panel
+    handles, right = [], None
+    for i, (key, label, markers) in enumerate(lines):
+        if key not in data:
+            continue
+        on = ax
+        if (stage, key) in RIGHT_AXIS:
+            on = right = ax.twinx()
+            right.set_ylabel(label)
+        steps, values = data[key]
+        handles += on.plot(steps, values, label=label, color=f"C{i}", **(MARKERS if markers else LINE))
+    ax.set_title(f"{name} ({stage})", fontsize=10)
+    ax.set_xlabel(f"{stage} step")
+    ax.set_ylabel(ylabel)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    for y in filter(None, (ax, right)):
+        y.ticklabel_format(axis="y", style="sci", scilimits=(-3, 4))
+    ax.grid(alpha=0.3)
+    ax.legend(handles=handles, fontsize=8, loc="best")
+
+
 def plot_run(run_dir: Path, out: Path | None = None) -> str:
     """Render `run_dir`'s curves (default `run_dir/curves.png`); returns the line saying what was
     written. Raises ValueError when there is nothing to plot."""
     out = out or run_dir / "curves.png"
     records = read_records(run_dir / "metrics.jsonl")
-    n = render(records, out, title=run_dir.resolve().name)
+    where = run_dir.resolve()
+    n = render(records, out, title=f"{where.parent.name}/{where.name}")
     return f"wrote {out} ({n} panels from {len(records)} records)"
 
 
