@@ -29,7 +29,7 @@ run: venv
 	$(BIN)/python -m rlray.launch $(ARGS)
 
 test: venv
-	$(BIN)/python -m pytest -x -q --durations=15 tests $(ARGS)
+	$(BIN)/python -m pytest -x -q -rs --durations=15 tests $(ARGS)
 
 clean:
 	rm -rf $(VENV)

@@ -20,6 +20,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "docker" / "slurm" / "rlray.sbatch"
+LOCAL_CLUSTER = ROOT / "docker" / "slurm" / "local_cluster.sh"  # the real cluster of test_slurm_cluster.py
 
 FAKE_SRUN = r"""#!/bin/bash
 # srun stand-in: drop the options, run --ntasks copies of the command on "this node".
@@ -119,14 +120,15 @@ def fake_slurm(tmp_path: Path) -> FakeSlurm:
 
 
 def test_bash_syntax() -> None:
-    proc = subprocess.run(["bash", "-n", str(SCRIPT)], capture_output=True, text=True, check=False)
-    assert proc.returncode == 0, proc.stderr
+    for script in (SCRIPT, LOCAL_CLUSTER):
+        proc = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True, check=False)
+        assert proc.returncode == 0, proc.stderr
 
 
 def test_shellcheck_clean() -> None:
     if shutil.which("shellcheck") is None:
         pytest.skip("shellcheck not installed (Debian: apt-get install -y shellcheck); bash -n still ran")
-    proc = subprocess.run(["shellcheck", "--shell=bash", "--severity=style", str(SCRIPT)],
+    proc = subprocess.run(["shellcheck", "--shell=bash", "--severity=style", str(SCRIPT), str(LOCAL_CLUSTER)],
                           capture_output=True, text=True, check=False)
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
