@@ -70,12 +70,15 @@ def start(c: Config) -> tuple[threading.Thread, dict[str, Any]]:
     return thread, out
 
 
-def test_dead_engine_is_replaced_until_max_restarts(ray_cluster, tmp_path, monkeypatch) -> None:
-    """One sync per step: the first death is replaced and no step is lost or repeated; the
-    second, with rollout.max_restarts=1 used up, stops the run with one line."""
-    c = tiny_config(tmp_path, rl={"steps": 12}, rollout={"max_restarts": 1}, async_={"max_off_policy_steps": 0})
+def test_dead_engines_are_replaced_between_syncs_until_max_restarts(ray_cluster, tmp_path, monkeypatch) -> None:
+    """One sync every 4 steps: the engine dies after step 0, while the trainer needs three more
+    batches before the next sync; the actor is replaced before that sync and every step runs once,
+    in order. The replacement's engine dies after step 5: with rollout.max_restarts=1 used up the
+    run stops with one line."""
+    c = tiny_config(tmp_path, rl={"steps": 12, "sync_every": 4}, rollout={"max_restarts": 1},
+                    async_={"max_off_policy_steps": 3})
     c.stages = ["rl"]
-    kills = kill_engines_at(monkeypatch, {0: "rollout-0", 3: "rollout-0.1"})
+    kills = kill_engines_at(monkeypatch, {0: "rollout-0", 5: "rollout-0.1"})
     thread, out = start(c)
     thread.join(timeout=900)
     assert not thread.is_alive(), "the run did not stop after the second engine death"
@@ -87,30 +90,13 @@ def test_dead_engine_is_replaced_until_max_restarts(ray_cluster, tmp_path, monke
     assert "rollout.max_restarts=1 allows no more replacements (1 used)" in message
 
     rl = rl_records(c.run.dir)
-    assert [r["step"] for r in rl] == [0, 1, 2, 3]  # step 4 never completes
-    restarts = [r["rollout_restarts"] for r in rl]  # logged before each step's sync
-    assert restarts[0] == 0 and restarts[1] in (0, 1) and restarts[2:] == [1, 1]
-    # On-policy, inference and trainer logprobs agree to float error only when the engine
-    # holds exactly the trainer's weights: so does the replacement's.
-    assert all(r["lag_max"] == 0 for r in rl)
-    assert max(r["mismatch_kl"] for r in rl) < 1e-5
-
-
-def test_dead_engine_between_syncs_is_replaced(ray_cluster, tmp_path, monkeypatch) -> None:
-    """One sync every 4 steps: the engine dies after step 0 while the trainer needs three more
-    batches before the next sync; the actor is replaced before that sync and every step runs
-    once, in order."""
-    c = tiny_config(tmp_path, rl={"steps": 6, "sync_every": 4}, async_={"max_off_policy_steps": 3})
-    c.stages = ["rl"]
-    kills = kill_engines_at(monkeypatch, {0: "rollout-0"})
-    thread, out = start(c)
-    thread.join(timeout=900)
-    assert not thread.is_alive() and "summary" in out, out.get("error")
-    assert len(kills) == 1
-    rl = rl_records(c.run.dir)
-    assert [r["step"] for r in rl] == list(range(c.rl.steps))
-    assert [r["rollout_restarts"] for r in rl][3:] == [1, 1, 1]  # replaced before step 3's sync
+    steps = [r["step"] for r in rl]
+    assert steps == list(range(len(steps))) and 6 <= len(steps) < c.rl.steps, steps  # none lost or repeated
+    assert [r["rollout_restarts"] for r in rl][3:6] == [1, 1, 1]  # replaced before step 3's sync
     assert all(r["lag_max"] <= 3 for r in rl)
+    # Tokens sampled by the trainer's current version agree with the trainer's logprobs to float
+    # error only when the engine holds exactly the trainer's weights: so does the replacement's.
+    assert max(r["mismatch_kl"] for r in rl) < 1e-5
 
 
 def test_a_starved_step_fails_naming_what_it_waited_for(ray_cluster, tmp_path) -> None:
