@@ -16,6 +16,7 @@ actor in its bundle. `free_address(pg, bundle)` returns
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import socket
@@ -58,6 +59,7 @@ def connect(cfg: ClusterConfig, verbose: bool = False, python_path: Sequence[str
     if ray.is_initialized():
         return
     env = code_env(python_path)
+    logging.getLogger("ray._private.runtime_env.packaging").setLevel(logging.WARNING)  # a line per module shipped
     address = cfg.address or os.environ.get("RAY_ADDRESS")
     if address:
         ray.init(address=address, runtime_env=env, log_to_driver=verbose)

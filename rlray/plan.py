@@ -205,9 +205,10 @@ class Plan:
     def summary(self) -> str:
         """One line for the console of a real run (the whole plan goes to plan.txt)."""
         d, e = self.dims, self.engine
+        dp = f" x DP {self.c.rollout.data_parallel_size}" if self.c.rollout.data_parallel_size > 1 else ""
         return (f"plan: {self.shape.name}, {human(self.shape.params)} parameters; trainer dp_shard={d.dp_shard} "
                 f"ep={d.ep} cp={d.cp}, ~{sum(self.trainer.values()) / GB:.1f} GB per rank; {self.c.rollout.num_actors} engine(s) "
-                f"x TP {self.c.rollout.tensor_parallel_size}, {e['weights'] / GB:.2f} GB weights each")
+                f"x TP {self.c.rollout.tensor_parallel_size}{dp}, {e['weights'] / GB:.2f} GB weights each")
 
     def render(self) -> str:
         c, s, d = self.c, self.shape, self.dims

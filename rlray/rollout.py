@@ -128,7 +128,7 @@ class RolloutActor:
         kwargs: dict[str, Any] = {"dtype": self.cfg.dtype, "enforce_eager": self.cfg.enforce_eager,
                                   "tensor_parallel_size": self.cfg.tensor_parallel_size,
                                   "data_parallel_size": self.cfg.data_parallel_size}
-        if self.cfg.tensor_parallel_size > 1:  # the engine's workers are processes in this actor's bundle
+        if engine_workers(self.cfg) > 1:  # the engine's workers are processes in this actor's bundle (not Ray's)
             kwargs["distributed_executor_backend"] = "mp"
         if self.cfg.expert_parallel:
             kwargs["enable_expert_parallel"] = True
