@@ -65,7 +65,7 @@ def test_cpu_binding_gives_each_worker_its_share_of_cores() -> None:
     assert cpu_binding(2, [0, 1]) == "0|1"
     assert cpu_binding(2, [0, 1, 2, 3, 4]) == "0,1|2,3"
     assert cpu_binding(2, [4, 6, 8, 10]) == "4,6|8,10"
-    with pytest.raises(ValueError, match="rollout.tensor_parallel_size=3 CPU workers need as many cores"):
+    with pytest.raises(ValueError, match=r"3 CPU engine workers \(rollout.tensor_parallel_size x data_parallel_size\) need as many cores"):
         cpu_binding(3, [0, 1])
 
 
