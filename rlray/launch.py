@@ -1,7 +1,7 @@
 """Hydra entry point: `python -m rlray.launch [+recipe=NAME] [+twin=cpu] [key=value ...]`.
 
 Contract: composes `conf/config.yaml` with the recipe, its CPU twin and the overrides,
-validates the result into a typed `Config` and its plan (rlray.plan: mesh, engines, memory
+validates the result into a typed `Config` and its plan (rlray.orchestration.plan: mesh, engines, memory
 per GPU), exiting 1 with one line naming the bad key or the shortfall, before Ray starts.
 `dry_run=true` prints the plan (checked against the cluster's resources when connected to
 one) and exits. Otherwise the plan goes to the run folder (`plan.txt`) and the controller
@@ -22,7 +22,7 @@ from omegaconf import DictConfig
 from rlray.config import Config, ConfigError, register, to_config
 
 if TYPE_CHECKING:
-    from rlray.plan import Plan
+    from rlray.orchestration.plan import Plan
 
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 
@@ -35,16 +35,19 @@ def _fail(message: str) -> None:
 
 
 def _plan(config: Config) -> Plan:
-    from rlray.algo.loss import check_algo
-    from rlray.plan import check_local, make_plan
-
-    check_algo(config.algo)
-    if not config.dry_run:  # an unknown env id, a missing package or biasing sampling args: one line, no Ray
+    """Every check, cheapest first: torch, verifiers and vLLM are imported only once the checks that
+    need no import have passed (a GPU recipe on a laptop is refused in about a second)."""
+    if not config.dry_run:  # a dry run plans for the cluster the recipe names, not this machine
+        from rlray.config.resources import check_local
         from rlray.envs import load_envs
 
-        load_envs(config.env)
-    if not config.dry_run:  # a dry run plans for the cluster the recipe names, not this machine
         check_local(config, " ".join(["python -m rlray.launch", *sys.argv[1:]]))
+        load_envs(config.env)  # an unknown env id, a missing package or biasing sampling args: one line, no Ray
+    from rlray.algo.loss import resolve
+    from rlray.orchestration.plan import make_plan
+
+    resolve(config.algo)  # the loss's paper preset into the keys left unset, every algo key checked
+
     try:
         plan = make_plan(config)
     except OSError as e:
@@ -57,11 +60,11 @@ def _plan(config: Config) -> Plan:
 
 
 def _dry_run(config: Config, plan: Plan) -> None:
-    from rlray.plan import is_local
+    from rlray.config.resources import is_local
 
     print(plan.render())
     if not is_local(config):
-        from rlray import cluster
+        from rlray.orchestration import cluster
 
         cluster.connect(config.cluster)
         print(cluster.check_resources(plan.gpus, plan.cpus))
@@ -82,8 +85,15 @@ def main(cfg: DictConfig) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "plan.txt").write_text(plan.render() + "\n")
     print(f"{plan.summary()} (all of it: {run_dir / 'plan.txt'})", flush=True)
-    print(config.algo.preset_line(), flush=True)
-    from rlray.controller import run
+    from rlray.algo.loss import preset_line
+
+    print(preset_line(config.algo), flush=True)
+    from rlray.actors.engine import version_warning
+
+    warning = version_warning()
+    if warning:
+        print(warning, flush=True)
+    from rlray.orchestration.controller import run
 
     try:
         run(config)

@@ -1,6 +1,6 @@
 """Plot a run's curves: `python -m rlray.plot RUN_DIR [--out PATH]`.
 
-Contract: reads `RUN_DIR/metrics.jsonl` (the records `rlray.metrics.Metrics.log`
+Contract: reads `RUN_DIR/metrics.jsonl` (the records `rlray.orchestration.metrics.Metrics.log`
 writes) and renders one PNG, `RUN_DIR/curves.png` unless `--out` says otherwise,
 with one panel each for the RL reward (batch mean, and held-out `eval_reward`
 where logged), the off-policy lag, the throughput, the weight-sync seconds and the
@@ -54,26 +54,34 @@ def read_records(path: Path) -> list[dict[str, Any]]:
     return [by_key[k] for k in sorted(by_key, key=lambda k: (k[0], k[1]))]
 
 
+def _number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
 def series(records: list[dict[str, Any]], stage: str, keys: list[str]) -> Series:
-    """For each key: the steps of `stage` where it is a finite number, and its values."""
+    """For each key: the steps of `stage` where it is a finite number, and its values. The held-out
+    reward comes from the evaluations (stage `eval`), each at the `stage` step it was taken at, the
+    ones before the first and after the last step included."""
+    evals = [r for r in records if r.get("stage") == "eval" and str(r.get("tag", "")).startswith(f"{stage}-")
+             and isinstance(r.get("at"), int)]
     out: Series = {}
     for key in keys:
-        steps, values = [], []
-        for r in records:
-            v = r.get(key)
-            if r.get("stage") == stage and isinstance(v, (int, float)) and not isinstance(v, bool) \
-                    and math.isfinite(v):
-                steps.append(r["step"])
-                values.append(float(v))
-        if steps:
-            out[key] = (steps, values)
+        if key == "eval_reward" and evals:
+            points = sorted((r["at"], float(r[key])) for r in evals if _number(r.get(key)))
+        else:
+            points = [(r["step"], float(r[key])) for r in records if r.get("stage") == stage and _number(r.get(key))]
+        if points:
+            out[key] = ([s for s, _ in points], [v for _, v in points])
     return out
 
 
 def render(records: list[dict[str, Any]], out: Path, title: str) -> int:
     """Draw the panels that have data into `out`; returns the number of panels drawn."""
+    import logging
+
     import matplotlib
 
+    logging.getLogger("matplotlib").setLevel(logging.WARNING)  # "generated new fontManager" on a fresh machine
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

@@ -11,6 +11,28 @@ from dataclasses import dataclass, field
 import numpy as np
 
 
+def route_dtype(num_experts: int) -> np.dtype:
+    """The smallest unsigned integer dtype holding every expert index and `no_route`."""
+    return np.dtype(np.uint8 if num_experts < 255 else np.uint16)
+
+
+def no_route(dtype: np.dtype) -> int:
+    """The routing value of a position the engine computed no routing for (it routes normally)."""
+    return int(np.iinfo(dtype).max)
+
+
+def overlay_routing(earlier: np.ndarray | None, later: np.ndarray | None) -> np.ndarray | None:
+    """A multi-turn rollout's routing: `later` (a turn's, over every position up to its end) where
+    `earlier` (the turns before, a prefix of those positions) has none; an earlier turn's stays."""
+    if earlier is None or later is None:
+        return later if earlier is None else earlier
+    out = later.copy()
+    head = out[:len(earlier)]
+    routed = (earlier != no_route(earlier.dtype)).all(axis=tuple(range(1, earlier.ndim)))
+    head[routed] = earlier[routed]
+    return out
+
+
 @dataclass
 class Rollout:
     """One completion of one prompt, token-exact as the inference engine saw it."""
@@ -30,6 +52,7 @@ class Rollout:
     biased: bool = False  # sampled under distribution-changing args (env.allow_biased_sampling): mu unknown
     turns: int = 1  # model turns
     stop: str = ""  # the verifiers stop condition that ended it (max_turns_reached, turn_truncated, ...)
+    routing: np.ndarray | None = None  # [P + C, MoE layers, top-k] (route_dtype): the engine's experts per position
 
     @property
     def min_version(self) -> int:
@@ -77,6 +100,7 @@ class MicroBatch:
     # global counts above are that mini-batch's
     position_ids: np.ndarray | None = None  # int64 [B, T]; None: 0..T-1 in every row
     segment_ids: np.ndarray | None = None  # int64 [B, T]; None: one sequence per row, padding off the mask
+    routing: np.ndarray | None = None  # [B, T, MoE layers, top-k] (route_dtype): the engine's experts per position
 
     def __post_init__(self) -> None:
         B, T = np.shape(self.input_ids)

@@ -33,6 +33,11 @@ from rlray.config import AlgoConfig
 
 CORRECTIONS = ("none", "tis", "mis")
 LEVELS = ("token", "sequence", "geometric")
+PRESETS: dict[str, dict[str, object]] = {  # each correction's `algo.*` values (README "RL objectives")
+    "none": {"correction": "none"},
+    "tis": {"correction": "tis", "correction_level": "token", "correction_high": 2.0},
+    "mis": {"correction": "mis", "correction_level": "token", "correction_low": 0.5, "correction_high": 2.0},
+}
 _MAX_LOG_W = 30.0  # exp(30) ~ 1e13: keeps products of long sequences finite
 
 

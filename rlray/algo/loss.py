@@ -1,13 +1,24 @@
-"""Policy-gradient losses over packed token tensors, chosen by name (`algo.loss`).
+"""Policy-gradient losses over packed token tensors: one registry (`LOSSES`), each loss a
+decorated function with its paper's preset beside it, chosen by `algo.loss`.
 
-Contract: a loss takes the trainer's logprobs of the sampled tokens, the inference
-engine's logprobs of the same tokens, per-token advantages and the loss mask (all
-[B, T] float tensors, one row per sequence) plus the algo config and, when
-`algo.kl_coef > 0`, a frozen reference model's logprobs (`logp_ref`). It returns
-`(loss_sum, stats)`: `loss_sum` is a *sum* that the caller divides by
-`loss_normalizer(cfg, micro_batch)` (the same global number on every rank), and
-`stats` holds sums over masked tokens (the caller divides them by the global number
-of loss tokens).
+Contract:
+- `@loss(name, paper, **preset)` registers a function under `name` with the values of every
+  `PRESET_KEYS` key its paper sets (the keys it leaves out take `PRESET_DEFAULTS`). One
+  function may carry several names (DAPO and Dr.GRPO are GRPO's surrogate with other presets).
+  Adding a loss is one decorated function: the config, the console, the README's table
+  (`preset_table()`) and the end-to-end test of every loss read this registry.
+- `resolve(algo)` applies the chosen loss's preset to every preset key left unset (None),
+  records which came from it (`algo.from_preset`, for `preset_line`) and validates every
+  `algo.*` key, raising ValueError naming the key. It runs once, where the config is resolved
+  (rlray.launch.configure); `algo_config(**kw)` is `resolve(AlgoConfig(**kw))`. The trainer and
+  the buffer take only resolved configs.
+- A loss takes the trainer's logprobs of the sampled tokens, the inference engine's logprobs
+  of the same tokens, per-token advantages and the loss mask (all [B, T] float tensors, one
+  row per sequence) plus the algo config and, when `algo.kl_coef > 0`, a frozen reference
+  model's logprobs (`logp_ref`). It returns `(loss_sum, stats)`: `loss_sum` is a *sum* that
+  the caller divides by `loss_normalizer(cfg, micro_batch)` (the same global number on every
+  rank), and `stats` holds sums over masked tokens (the caller divides them by the global
+  number of loss tokens).
 
 Each loss builds a per-token loss l[b, t] and shares the rest of the pipeline:
 - ratio: r = pi_theta / mu, mu the inference engine's probability of the sampled
@@ -24,11 +35,16 @@ Each loss builds a per-token loss l[b, t] and shares the rest of the pipeline:
   token:    sum_{b,t} l / (global loss tokens)                      (DAPO)
   sequence: sum_b mean_t l / (global sequences)                     (GRPO, GSPO)
   constant: sum_{b,t} l / (global sequences * algo.max_tokens)      (Dr.GRPO)
+Scale-dependent values stay out of the presets (DAPO's overlong buffer is 4096 of 20480 tokens:
+set `algo.overlong_buffer` per recipe), and so does GRPO's KL to a reference model (the paper's
+beta = 0.04: `algo.kl_coef=0.04`), which loads a second model.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -40,6 +56,35 @@ from rlray.types import MicroBatch
 Tensor = torch.Tensor
 LossFn = Callable[..., tuple[Tensor, dict[str, Tensor]]]
 AGGREGATIONS = ("token", "sequence", "constant")
+PRESET_KEYS = ("aggregation", "std_normalize", "eps_low", "eps_high", "filter_zero_advantage",
+               "mismatch_kl_coef", "ratio_cap")
+PRESET_DEFAULTS: dict[str, Any] = {"filter_zero_advantage": False, "mismatch_kl_coef": 0.0, "ratio_cap": 0.0}
+
+
+@dataclass(frozen=True)
+class Loss:
+    name: str
+    fn: LossFn
+    paper: str  # the paper and its link (Markdown): the README's table
+    objective: str  # what the paper's objective does, in a line
+    preset: dict[str, Any] = field(default_factory=dict)  # every PRESET_KEYS value
+
+
+LOSSES: dict[str, Loss] = {}
+
+
+def loss(name: str, paper: str, objective: str, **preset: Any) -> Callable[[LossFn], LossFn]:
+    """Register the decorated function as loss `name`: its paper, objective and preset."""
+    missing = set(PRESET_KEYS) - set(PRESET_DEFAULTS) - set(preset)
+    unknown = set(preset) - set(PRESET_KEYS)
+    assert not missing and not unknown, f"loss {name!r}: preset lacks {missing}, has unknown {unknown}"
+
+    def register(fn: LossFn) -> LossFn:
+        assert name not in LOSSES, f"loss {name!r} is registered twice"
+        LOSSES[name] = Loss(name, fn, paper, objective, {**PRESET_DEFAULTS, **preset})
+        return fn
+
+    return register
 
 
 def mismatch_kl(logp_train: Tensor, logp_infer: Tensor, mask: Tensor) -> Tensor:
@@ -58,7 +103,7 @@ def k3_kl(logp: Tensor, logp_ref: Tensor) -> Tensor:
 
 
 def aggregation(cfg: AlgoConfig) -> str:
-    assert cfg.aggregation is not None, "AlgoConfig.__post_init__ fills it from the loss's preset"
+    assert cfg.aggregation is not None, "resolve(cfg) fills it from the loss's preset"
     return cfg.aggregation
 
 
@@ -117,13 +162,27 @@ def _finish(per_token: Tensor, outside: Tensor, logp_train: Tensor, logp_infer: 
     return aggregate(per_token, mask, aggregation(cfg)), stats
 
 
-def grpo_loss(logp_train: Tensor, logp_infer: Tensor, advantages: Tensor, mask: Tensor, cfg: AlgoConfig,
-              logp_ref: Tensor | None = None, logp_prox: Tensor | None = None
-              ) -> tuple[Tensor, dict[str, Tensor]]:
-    """GRPO (Shao et al. 2024, DeepSeekMath, arXiv:2402.03300), PPO's clipped surrogate per token.
+@loss("dr_grpo", "Dr.GRPO — Liu et al. 2025 ([2503.20783](https://arxiv.org/abs/2503.20783))",
+      "token sum / (G · L_max), advantage r − mean without std (L_max = `algo.max_tokens`, default "
+      "`rollout.max_tokens`)", aggregation="constant", std_normalize=False, eps_low=0.2, eps_high=0.2)
+@loss("dapo", "DAPO — Yu et al. 2025 ([2503.14476](https://arxiv.org/abs/2503.14476))",
+      "clip-higher, token-level mean, dynamic sampling, no KL; the paper's soft overlong punishment: "
+      "`algo.overlong_buffer=4096` with `rollout.max_tokens=20480`", aggregation="token", std_normalize=True,
+      eps_low=0.2, eps_high=0.28, filter_zero_advantage=True)
+@loss("grpo", "GRPO — Shao et al. 2024, DeepSeekMath ([2402.03300](https://arxiv.org/abs/2402.03300))",
+      "token ratio, PPO clip ±ε, mean of per-sequence token means, (r−mean)/std; the paper's KL to a "
+      "reference (k3): `algo.kl_coef=0.04`", aggregation="sequence", std_normalize=True, eps_low=0.2, eps_high=0.2)
+def clipped_surrogate(logp_train: Tensor, logp_infer: Tensor, advantages: Tensor, mask: Tensor, cfg: AlgoConfig,
+                      logp_ref: Tensor | None = None, logp_prox: Tensor | None = None
+                      ) -> tuple[Tensor, dict[str, Tensor]]:
+    """PPO's clipped surrogate per token: GRPO, and DAPO and Dr.GRPO by their presets.
 
     l_t = -min(r_t A, clip(r_t, 1-eps_low, 1+eps_high) A)  [+ beta k3(pi_theta || pi_ref)]
-    J = 1/G sum_i 1/|o_i| sum_t l_t : sequence mean of token means (preset aggregation).
+    GRPO: J = 1/G sum_i 1/|o_i| sum_t l_t (aggregation sequence).
+    DAPO: eps_high > eps_low (0.2, 0.28), J = 1/sum_i |o_i| sum_i sum_t l_t (token); dynamic
+    sampling (algo.filter_zero_advantage) and overlong shaping (algo.overlong_*) live in the buffer.
+    Dr.GRPO: A = r - mean(r) (algo.std_normalize=false), J = 1/(G * L_max) sum_i sum_t l_t
+    (constant, L_max = algo.max_tokens), so neither length nor group std biases the update.
     ratio_correction=mask drops tokens outside the band instead: l_t = -r_t A 1[r_t in band].
     """
     ratio = torch.exp(_log_ratio(logp_train, logp_infer, mask, cfg, logp_prox))
@@ -131,30 +190,9 @@ def grpo_loss(logp_train: Tensor, logp_infer: Tensor, advantages: Tensor, mask: 
     return _finish(per_token, outside, logp_train, logp_infer, mask, cfg, logp_ref, logp_prox)
 
 
-def dapo_loss(logp_train: Tensor, logp_infer: Tensor, advantages: Tensor, mask: Tensor, cfg: AlgoConfig,
-              logp_ref: Tensor | None = None, logp_prox: Tensor | None = None
-              ) -> tuple[Tensor, dict[str, Tensor]]:
-    """DAPO (Yu et al. 2025, arXiv:2503.14476): GRPO's surrogate with clip-higher, token-level mean.
-
-    l_t = -min(r_t A, clip(r_t, 1-eps_low, 1+eps_high) A), eps_high > eps_low (0.2, 0.28)
-    J = 1/sum_i |o_i| sum_i sum_t l_t  (preset aggregation: token). Dynamic sampling
-    (algo.filter_zero_advantage) and overlong shaping (algo.overlong_*) live in the buffer.
-    """
-    return grpo_loss(logp_train, logp_infer, advantages, mask, cfg, logp_ref, logp_prox)
-
-
-def dr_grpo_loss(logp_train: Tensor, logp_infer: Tensor, advantages: Tensor, mask: Tensor, cfg: AlgoConfig,
-                 logp_ref: Tensor | None = None, logp_prox: Tensor | None = None
-              ) -> tuple[Tensor, dict[str, Tensor]]:
-    """Dr.GRPO (Liu et al. 2025, "Understanding R1-Zero-Like Training", arXiv:2503.20783).
-
-    l_t = -min(r_t A, clip(r_t, 1-eps, 1+eps) A) with A = r - mean(r) (algo.std_normalize=false)
-    J = 1/(G * L_max) sum_i sum_t l_t : a constant normaliser, L_max = algo.max_tokens
-    (preset aggregation: constant), so neither length nor group std biases the update.
-    """
-    return grpo_loss(logp_train, logp_infer, advantages, mask, cfg, logp_ref, logp_prox)
-
-
+@loss("gspo", "GSPO — Zheng et al. 2025, Qwen ([2507.18071](https://arxiv.org/abs/2507.18071))",
+      "sequence ratio (geometric mean of token ratios), sequence clip, sequence mean",
+      aggregation="sequence", std_normalize=True, eps_low=3e-4, eps_high=4e-4)
 def gspo_loss(logp_train: Tensor, logp_infer: Tensor, advantages: Tensor, mask: Tensor, cfg: AlgoConfig,
               logp_ref: Tensor | None = None, logp_prox: Tensor | None = None
               ) -> tuple[Tensor, dict[str, Tensor]]:
@@ -173,9 +211,12 @@ def gspo_loss(logp_train: Tensor, logp_infer: Tensor, advantages: Tensor, mask: 
                    logp_ref, logp_prox)
 
 
+@loss("cispo", "CISPO — MiniMax-M1 ([2506.13585](https://arxiv.org/abs/2506.13585))",
+      "sg(clip(r)) · A · log π, no lower bound, token-level mean (ε_high is the tuned knob)",
+      aggregation="token", std_normalize=True, eps_low=1.0, eps_high=0.28)
 def cispo_loss(logp_train: Tensor, logp_infer: Tensor, advantages: Tensor, mask: Tensor, cfg: AlgoConfig,
                logp_ref: Tensor | None = None, logp_prox: Tensor | None = None
-              ) -> tuple[Tensor, dict[str, Tensor]]:
+               ) -> tuple[Tensor, dict[str, Tensor]]:
     """CISPO (MiniMax-M1, arXiv:2506.13585): a clipped, stop-gradient importance weight.
 
     l_t = -sg(clip(r_t, 1-eps_low, 1+eps_high)) A log pi_theta(y_t); no token loses its
@@ -191,9 +232,13 @@ def cispo_loss(logp_train: Tensor, logp_infer: Tensor, advantages: Tensor, mask:
     return _finish(per_token, outside, logp_train, logp_infer, mask, cfg, logp_ref, logp_prox)
 
 
+@loss("dppo_tv", "DPPO-Binary-TV ([2602.04879](https://arxiv.org/abs/2602.04879)) + Kimi K2.5 KL, prime-rl's "
+      "default", "drop a token when π − μ left ±ε in its advantage's direction, or its ratio passed "
+      "`algo.ratio_cap`; + τ (log π/μ)²", aggregation="token", std_normalize=True, eps_low=0.2, eps_high=0.2,
+      mismatch_kl_coef=1e-3, ratio_cap=10.0)
 def dppo_tv_loss(logp_train: Tensor, logp_infer: Tensor, advantages: Tensor, mask: Tensor, cfg: AlgoConfig,
                  logp_ref: Tensor | None = None, logp_prox: Tensor | None = None
-              ) -> tuple[Tensor, dict[str, Tensor]]:
+                 ) -> tuple[Tensor, dict[str, Tensor]]:
     """DPPO-Binary-TV (arXiv:2602.04879) as prime-rl's default loss: a probability-difference mask.
 
     d_t = pi_theta(y_t) - mu(y_t); a token is dropped when it left the trust region in
@@ -212,19 +257,10 @@ def dppo_tv_loss(logp_train: Tensor, logp_infer: Tensor, advantages: Tensor, mas
     return _finish(per_token, dropped.float(), logp_train, logp_infer, mask, cfg, logp_ref, logp_prox)
 
 
-LOSSES: dict[str, LossFn] = {
-    "grpo": grpo_loss,
-    "dapo": dapo_loss,
-    "dr_grpo": dr_grpo_loss,
-    "gspo": gspo_loss,
-    "cispo": cispo_loss,
-    "dppo_tv": dppo_tv_loss,
-}
-
 def get_loss(name: str) -> LossFn:
     if name not in LOSSES:
         raise ValueError(f"algo.loss='{name}' is unknown; choose one of {sorted(LOSSES)}")
-    return LOSSES[name]
+    return LOSSES[name].fn
 
 
 def _choose(key: str, value: str, options: tuple[str, ...]) -> None:
@@ -232,9 +268,52 @@ def _choose(key: str, value: str, options: tuple[str, ...]) -> None:
         raise ValueError(f"algo.{key}='{value}' is unknown; choose one of {list(options)}")
 
 
-def check_algo(cfg: AlgoConfig) -> None:
+def resolve(cfg: AlgoConfig) -> AlgoConfig:
+    """`cfg` with the chosen loss's preset in every preset key left unset, validated (in place)."""
+    get_loss(cfg.loss)  # an unknown name raises, naming algo.loss and the choices
+    if getattr(cfg, "from_preset", None) is None:  # once: a second call finds every key set
+        cfg.from_preset = [k for k in PRESET_KEYS if getattr(cfg, k) is None]
+        for key in cfg.from_preset:
+            setattr(cfg, key, LOSSES[cfg.loss].preset[key])
+    _check(cfg)
+    return cfg
+
+
+def algo_config(**values: Any) -> AlgoConfig:
+    """A resolved `AlgoConfig` (benchmarks and tests; a run's comes from rlray.launch.configure)."""
+    return resolve(AlgoConfig(**values))
+
+
+def require_resolved(cfg: AlgoConfig) -> None:
+    if any(getattr(cfg, k) is None for k in PRESET_KEYS):
+        raise ValueError("the algo section is not resolved: pass it through rlray.algo.loss.resolve first")
+
+
+def preset_line(cfg: AlgoConfig) -> str:
+    """One line: the loss, the values its preset set, and those set explicitly."""
+    chosen = getattr(cfg, "from_preset", [])
+    shown = ", ".join(f"{k}={getattr(cfg, k)}" for k in chosen)
+    own = ", ".join(f"{k}={getattr(cfg, k)}" for k in PRESET_KEYS if k not in chosen)
+    return (f"algo.loss={cfg.loss}: paper preset {shown or '(every key set explicitly)'}"
+            + (f"; set explicitly: {own}" if own else ""))
+
+
+def preset_table() -> str:
+    """The registry as the README's Markdown table: paper, objective and what `algo.loss=NAME` sets."""
+    rows = ["| Paper | Objective | Config |", "|---|---|---|"]
+    for e in LOSSES.values():
+        values = " ".join(f"algo.{k}={_yaml(e.preset[k])}" for k in PRESET_KEYS
+                          if PRESET_DEFAULTS.get(k) != e.preset[k])
+        rows.append(f"| {e.paper} | {e.objective} | `algo.loss={e.name}` sets `{values}` |")
+    return "\n".join(rows)
+
+
+def _yaml(value: Any) -> str:
+    return str(value).lower() if isinstance(value, bool) else f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def _check(cfg: AlgoConfig) -> None:
     """Every `algo.*` value the losses and the buffer will read; raises ValueError naming the key."""
-    get_loss(cfg.loss)
     _choose("aggregation", str(cfg.aggregation), AGGREGATIONS)
     _choose("baseline", cfg.baseline, BASELINES)
     _choose("correction", cfg.correction, CORRECTIONS)

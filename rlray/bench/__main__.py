@@ -16,8 +16,13 @@ BENCHMARKS = {  # subcommand: (module, one line)
     "rollout": ("rlray.bench.rollout_gen", "rlray rollout path tokens/s vs vLLM's LLM.generate"),
     "memory": ("rlray.bench.memory", ("peak memory per trainer rank loading and stepping a dense and an MoE "
                                       "model on 1, 2, 4 ranks, against the full model")),
+    "mismatch": ("rlray.bench.mismatch", ("engine/trainer mismatch KL and router agreement in bf16, router replay "
+                                          "off vs on, dense vs MoE, over the same rollouts")),
     "gpu-step": ("rlray.bench.gpu_step", ("trainer step time and MFU of a ~1B dense model and a small MoE "
                                           "(one GPU, no Ray; --size tiny runs on CPU)")),
+    "gpu-smoke": ("rlray.bench.gpu_smoke", ("the trainer half of the GPU path checked on one CUDA GPU without Ray "
+                                            "or vLLM: setup, logprobs, step, DCP, side-stream gather, one GPU per "
+                                            "rank (--cpu tests the script)")),
 }
 
 
@@ -46,6 +51,9 @@ def main(argv: list[str] | None = None) -> int:
     report.print()
     report.write(args.out)
     print(f"{args.benchmark} took {report.seconds:.1f}s", flush=True)
+    if report.failed:
+        print(f"{args.benchmark}: failed: {', '.join(report.failed)}", file=sys.stderr, flush=True)
+        return 1
     return 0
 
 

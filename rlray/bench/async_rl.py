@@ -1,6 +1,6 @@
 """async: wall-clock of the same RL steps at `async.max_off_policy_steps` 0, 1 and 2.
 
-Each k is one `rlray.controller.run(config)` of the default recipe (`conf/config.yaml` on the
+Each k is one `rlray.orchestration.controller.run(config)` of the default recipe (`conf/config.yaml` on the
 schema, then this benchmark's settings and any `--set key=value`), all three on one local Ray
 cluster. From each run's metrics.jsonl:
 - RL wall = the sum of `step_seconds` over the RL steps (the loop only: no start-up, no
@@ -8,7 +8,7 @@ cluster. From each run's metrics.jsonl:
 - trainer busy = sum of `train_seconds` + `sync_seconds` (rank 0 training or sending weights);
   trainer idle = 1 - busy / wall (waiting for a batch).
 The rollout actors' idle fraction needs a probe (no metric holds it): `RolloutActor` is
-observed by a subclass (`ProbedRolloutActor`, swapped into `rlray.cluster` for this process
+observed by a subclass (`ProbedRolloutActor`, swapped into `rlray.orchestration.cluster` for this process
 only; it changes nothing it observes) that counts group tickets in flight through the
 documented buffer calls (`reserve` adds, `put`/`cancel` remove) and times each weight update (start to finish).
 rollout busy = time with a group in flight and no weight update under way, clipped to the RL
@@ -28,9 +28,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from rlray.actors.rollout import RolloutActor
 from rlray.bench.common import Column, Report, median, ratio
 from rlray.config import RECIPES_DIR, Config
-from rlray.rollout import RolloutActor
 
 CONF = RECIPES_DIR.parent / "conf" / "config.yaml"
 QUICK = {"steps": 3, "ks": [0, 2], "set": ["model.num_layers=2", "rl.batch_size=16", "eval.num_examples=8"]}
@@ -67,7 +67,7 @@ def default_config(overrides: list[str]) -> Config:
     """`conf/config.yaml` on the schema plus dotlist overrides, validated like the launcher does."""
     from omegaconf import OmegaConf
 
-    from rlray.algo.loss import check_algo
+    from rlray.algo.loss import resolve
     from rlray.config import schema_node, to_config
 
     if not OmegaConf.has_resolver("now"):  # Hydra's, for a run.dir default like runs/x/${now:%H%M%S}
@@ -77,7 +77,7 @@ def default_config(overrides: list[str]) -> Config:
         conf.pop(key, None)
     merged = OmegaConf.merge(schema_node(), conf, OmegaConf.from_dotlist(overrides))
     c = to_config(merged)
-    check_algo(c.algo)
+    resolve(c.algo)
     return c
 
 
@@ -152,7 +152,7 @@ class ProbedRolloutActor(RolloutActor):
 
 @contextlib.contextmanager
 def probed_rollouts(enabled: bool) -> Iterator[None]:
-    from rlray import cluster
+    from rlray.orchestration import cluster
 
     original = cluster.RolloutActor
     if enabled:
@@ -192,7 +192,7 @@ def metrics_clock(rl: list[dict[str, Any]], paused: list[tuple[float, float]]) -
 def measure(c: Config, probe: bool) -> dict[str, Any]:
     import ray
 
-    from rlray.controller import run
+    from rlray.orchestration.controller import run
 
     t0 = time.perf_counter()
     with probed_rollouts(probe):
@@ -229,7 +229,7 @@ def measure(c: Config, probe: bool) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> Report:
-    from rlray import cluster
+    from rlray.orchestration import cluster
 
     preset = QUICK if args.quick else FULL
     steps = args.steps or preset["steps"]
@@ -254,7 +254,7 @@ def run(args: argparse.Namespace) -> Report:
                       Column("trainer_idle", "trainer idle", "{:.2f}"),
                       Column("rollout_idle", "rollout idle", "{:.2f}"), Column("lag_mean", "lag", "{:.2f}"),
                       Column("tokens_per_s", "tokens/s", "{:.0f}"), Column("run_total_s", "run total s", "{:.1f}")]
-    cluster.connect(c0.cluster)  # one Ray cluster for every run
+    cluster.connect(c0.cluster, benchmarks=True)  # one Ray cluster for every run
     for rep in range(args.repeats):  # k = 0, 1, 2, 0, 1, 2, ...: load drift hits every k alike
         for k, c in configs.items():
             print(f"--- async.max_off_policy_steps={k}: {steps} RL steps (repeat {rep + 1}/{args.repeats})",

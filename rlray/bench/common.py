@@ -32,6 +32,7 @@ class Column:
     key: str
     header: str
     fmt: str = "{}"
+    left: bool = False  # text columns read better left-aligned; numbers stay right-aligned
 
 
 @dataclass
@@ -48,7 +49,9 @@ def render(columns: list[Column], rows: list[dict[str, Any]]) -> str:
     for row in rows:
         cells.append([_cell(row.get(c.key), c.fmt) for c in columns])
     widths = [max(len(r[i]) for r in cells) for i in range(len(columns))]
-    lines = ["  ".join(v.rjust(w) if i else v.ljust(w) for i, (v, w) in enumerate(zip(r, widths))) for r in cells]
+    left = [i == 0 or c.left for i, c in enumerate(columns)]
+    lines = ["  ".join(v.ljust(w) if left[i] else v.rjust(w) for i, (v, w) in enumerate(zip(r, widths))).rstrip()
+             for r in cells]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
 
@@ -63,6 +66,7 @@ class Report:
     sections: list[Section] = field(default_factory=list)
     ratios: dict[str, float] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    failed: list[str] = field(default_factory=list)  # checks that failed (a smoke's): the command exits 1
     machine: dict[str, Any] = field(default_factory=lambda: machine_info())
     started: str = field(default_factory=lambda: time.strftime("%Y-%m-%dT%H:%M:%S%z"))
     seconds: float = 0.0
@@ -184,8 +188,8 @@ class LoopThread:
 
 
 class EngineClient:
-    """vLLM's `VLLMWeightSyncClient` over in-process `rlray.engine.Engine`s on a `LoopThread`
-    (what rlray.fleet.FleetClient does over Ray actors): engine i's workers take ranks from
+    """vLLM's `VLLMWeightSyncClient` over in-process `rlray.actors.engine.Engine`s on a `LoopThread`
+    (what rlray.orchestration.fleet.FleetClient does over Ray actors): engine i's workers take ranks from
     the trainer's `rank_offset` plus the workers of engines 0..i-1. `on_loaded` runs after
     each engine's weights are in, before it resumes."""
 
@@ -202,7 +206,7 @@ class EngineClient:
         return self.loop.run(gather(), self.timeout_s)
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
-        from rlray.weights import rank_offsets
+        from rlray.weightsync.transport import rank_offsets
 
         offsets = rank_offsets(init_info["rank_offset"], [e.workers() for e in self.engines])
         self._all([e.init_weight_transfer({**init_info, "rank_offset": o}) for e, o in zip(self.engines, offsets)])

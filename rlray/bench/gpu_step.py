@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import hashlib
 import json
 import os
@@ -29,6 +30,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from rlray.algo.loss import algo_config
 from rlray.bench.common import Column, Report, free_port, median, ratio
 
 SPEC_BF16_TFLOPS = {  # dense bf16 tensor-core peak, no sparsity
@@ -68,22 +70,19 @@ class Arch:
                               moe_intermediate_size=self.moe_intermediate, decoder_sparse_step=1)
 
     def params(self) -> dict[str, float]:
-        """Total parameters and the matmul weights one token passes through (N_active)."""
-        q = self.heads * self.head_dim
-        attn = self.hidden * q + 2 * self.hidden * self.kv_heads * self.head_dim + q * self.hidden
-        if self.kind == "dense":
-            mlp_total = mlp_active = 3 * self.hidden * self.intermediate
-        else:
-            expert = 3 * self.hidden * self.moe_intermediate
-            router = self.hidden * self.experts
-            mlp_total, mlp_active = self.experts * expert + router, self.top_k * expert + router
-        embed = self.vocab * self.hidden
-        total = self.layers * (attn + mlp_total) + embed * (1 if self.tie else 2)
-        active = self.layers * (attn + mlp_active) + embed  # the output head is a matmul; the lookup is not
-        return {"total": float(total), "active": float(active)}
+        """Every matrix weight, and those one token is multiplied through (N_active): rlray.models.shape's count."""
+        return _params(self)
 
     def flops_per_token(self, seq_len: int) -> float:
         return 6.0 * self.params()["active"] + 12.0 * self.layers * self.heads * self.head_dim * seq_len
+
+
+@functools.cache
+def _params(arch: Arch) -> dict[str, float]:
+    from rlray.models.shape import model_shape
+
+    shape = model_shape(arch.hf_config(), arch.name)
+    return {"total": float(shape.matrix_params), "active": float(shape.active_matrix_params)}
 
 
 QWEN_VOCAB = 151936
@@ -187,41 +186,59 @@ def spec_peak(device: str, given: float | None) -> float | None:
     return None
 
 
-def measure(arch: Arch, path: str, opts: dict[str, Any], device: str) -> dict[str, Any]:
-    import torch
+def trainer(path: str, micro_batch_tokens: int, device: str) -> Any:
+    """A one-rank `TrainerActor` on `device` (FSDP2; on CUDA bf16 compute over fp32 masters), set up."""
+    from rlray.actors.trainer import TrainerActor
+    from rlray.config import ModelConfig, TrainerConfig
 
-    from rlray.config import AlgoConfig, ModelConfig, TrainerConfig
-    from rlray.trainer import TrainerActor
-
-    cfg = TrainerConfig(num_ranks=1, param_dtype="bfloat16" if device == "cuda" else "float32",
-                        micro_batch_tokens=opts["micro_batch_tokens"])
-    actor = TrainerActor(0, 1, f"127.0.0.1:{free_port()}", ModelConfig(name=path), cfg, AlgoConfig(),
+    cfg = TrainerConfig(num_ranks=1, gpus_per_rank=1 if device == "cuda" else 0, micro_batch_tokens=micro_batch_tokens)
+    actor = TrainerActor(0, 1, f"127.0.0.1:{free_port()}", ModelConfig(name=path), cfg, algo_config(),
                          "nccl" if device == "cuda" else "gloo", temperature=1.0)
     actor.setup()
-    if opts.get("experts_impl") and hasattr(actor.model, "set_experts_implementation"):
-        actor.model.set_experts_implementation(opts["experts_impl"])
-    mbs = batch(arch, opts["batch"], opts["seq_len"], opts["micro_batch_tokens"])
+    return actor
+
+
+def time_steps(actor: Any, arch: Arch, mbs: list[Any], opts: dict[str, Any], device: str) -> dict[str, Any]:
+    """`opts["warmup"]` + `opts["steps"]` train steps of `mbs`; the timed ones' throughput and peak memory."""
+    import torch
+
     tokens = sum(mb.num_tokens for mb in mbs)
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    times = []
+    times, outs = [], []
     for i in range(opts["warmup"] + opts["steps"]):
         sync()
         t0 = time.perf_counter()
-        actor.train_step(mbs)
+        outs.append(actor.train_step(mbs))
         sync()
         if i >= opts["warmup"]:
             times.append(time.perf_counter() - t0)
-    peak_gb = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None
-    del actor
-    torch.distributed.destroy_process_group()
-    if device == "cuda":
-        torch.cuda.empty_cache()
     seconds = median(times)
     return {"tokens": tokens, "micro_batches": len(mbs), "seconds": seconds, "seconds_all": times,
             "tokens_per_s": tokens / seconds, "tflops": arch.flops_per_token(opts["seq_len"]) * tokens / seconds / 1e12,
-            "peak_mem_gb": peak_gb}
+            "peak_mem_gb": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None,
+            "loss": outs[-1]["loss"], "grad_norm": outs[-1]["grad_norm"]}
+
+
+def finish(device: str) -> None:
+    """After the last trainer of this process is dropped: leave its process group, free the GPU's cache."""
+    import torch
+
+    torch.distributed.destroy_process_group()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+
+
+def measure(arch: Arch, path: str, opts: dict[str, Any], device: str) -> dict[str, Any]:
+    actor = trainer(path, opts["micro_batch_tokens"], device)
+    if opts.get("experts_impl") and hasattr(actor.model, "set_experts_implementation"):
+        actor.model.set_experts_implementation(opts["experts_impl"])
+    out = time_steps(actor, arch, batch(arch, opts["batch"], opts["seq_len"], opts["micro_batch_tokens"]), opts,
+                     device)
+    del actor
+    finish(device)
+    return out
 
 
 def run(args: argparse.Namespace) -> Report:

@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import resource
 import tempfile
 from pathlib import Path
 from typing import Any
 
+from rlray.algo.loss import algo_config
 from rlray.bench.common import Column, Report, free_port
 from rlray.config import ModelConfig
 
@@ -72,9 +74,9 @@ def _warm(path: str) -> None:
 def _worker(rank: int, world: int, port: int, path: str, ep: int, out: str) -> None:
     import torch
 
-    from rlray.config import AlgoConfig, TrainerConfig
+    from rlray.actors.trainer import TrainerActor
+    from rlray.config import TrainerConfig
     from rlray.models.load import resident_bytes
-    from rlray.trainer import TrainerActor
 
     torch.set_num_threads(1)
     torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
@@ -82,7 +84,7 @@ def _worker(rank: int, world: int, port: int, path: str, ep: int, out: str) -> N
     _warm(path)
     base = peak_rss()
     t = TrainerActor(rank, world, f"127.0.0.1:{port}", ModelConfig(name=path),
-                     TrainerConfig(num_ranks=world, ep=ep), AlgoConfig(), "gloo", 1.0)
+                     TrainerConfig(num_ranks=world, ep=ep), algo_config(), "gloo", 1.0)
     t.setup()
     loaded = peak_rss()
     held = resident_bytes(t.model)
@@ -140,7 +142,7 @@ def run(args: argparse.Namespace) -> Report:
         full = 0
         for f in Path(path).glob("*.safetensors"):
             with safe_open(str(f), "pt") as h:
-                full += sum(_numel(h.get_slice(k).get_shape()) for k in h.keys()) * 4  # noqa: SIM118
+                full += sum(math.prod(h.get_slice(k).get_shape()) for k in h.keys()) * 4  # noqa: SIM118
         whole = full_load(path)
         report.rows.append({"model": name, "ranks": "full load", "full_gb": full / 1e9, "load_gb": whole / 1e9})
         for world in ranks:
@@ -154,10 +156,3 @@ def run(args: argparse.Namespace) -> Report:
     report.notes.append("peak RSS counts everything a rank's process grew by (weights, buffers, allocator "
                         "slack) after its imports; one torch thread per rank")
     return report
-
-
-def _numel(shape: list[int]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n

@@ -53,7 +53,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _prompts(groups: int, index: int) -> list[list[int]]:
     from rlray.data.tokenizer import char_tokenizer, encode_prompt
-    from rlray.envs.reverse_text import ReverseText
+    from rlray.envs.builtin.reverse_text import ReverseText
 
     tok, env = char_tokenizer(), ReverseText()
     return [encode_prompt(tok, env.example("train", i).prompt) for i in range(index * groups, (index + 1) * groups)]
@@ -117,8 +117,8 @@ class PassBuffer:
 
 
 async def _rlray_passes(model: ModelConfig, rc: RolloutConfig, groups: int, passes: int) -> dict[str, Any]:
+    from rlray.actors.rollout import RolloutActor
     from rlray.config import EnvConfig
-    from rlray.rollout import RolloutActor
 
     actor = RolloutActor(0, 1, model, rc, EnvConfig(), seed=0)
     await actor.start()

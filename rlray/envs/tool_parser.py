@@ -5,7 +5,7 @@ Contract: importing this module registers the parser with vLLM under the name `r
 with `name` one of the request's tools becomes one tool call; the comma-separated
 arguments fill the tool's parameters in schema order (strings, or numbers where the
 schema says integer/number). Anything else is plain content. It is the inverse of the
-tool-call rendering in `rlray.server.PLAIN_CHAT_TEMPLATE`, so that the tiny character-level
+tool-call rendering in `rlray.actors.server.PLAIN_CHAT_TEMPLATE`, so that the tiny character-level
 models (whose vocabulary has no brackets or quotes) can call tools; real models use their
 own parser (`env.tool_call_parser=hermes`, ...).
 """

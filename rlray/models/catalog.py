@@ -1,13 +1,17 @@
 """The architectures of the models rlray's recipes name, for planning without the hub.
 
-Contract: `hf_config_of(name)` returns a transformers config for a model name: a local folder
-(its config.json), an id in `CATALOG` (the hub's config.json values, copied here so that a dry
-run and the memory plan work offline), or any other hub id (fetched by transformers).
-Training always reads the checkpoint's own config.json; the catalog only sizes the plan.
+Contract: `architecture(name)` returns (a transformers config, where it came from) for a model
+name: a local folder (its config.json), an id in `CATALOG` (the hub's config.json values, copied
+here so that a dry run and the memory plan work offline), or any other hub id (fetched by
+transformers). Training always reads the checkpoint's own config.json; the catalog only sizes the
+plan. Each entry carries the parameter counts its model card publishes: tests/unit/test_plan.py
+counts every entry on the meta device against them, so a mistyped dimension fails there. Adding a
+model is one entry.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,19 +30,30 @@ QWEN3_30B_A3B = {  # Qwen/Qwen3-30B-A3B: 30.5B total, 3.3B active
     "max_position_embeddings": 40960, "rope_theta": 1000000.0, "tie_word_embeddings": False,
     "rms_norm_eps": 1e-6,
 }
-CATALOG: dict[str, tuple[str, dict[str, Any]]] = {
-    "zai-org/GLM-4.5-Air": ("glm4_moe", GLM45_AIR),
-    "Qwen/Qwen3-30B-A3B": ("qwen3_moe", QWEN3_30B_A3B),
+
+
+@dataclass(frozen=True)
+class Entry:
+    model_type: str
+    values: dict[str, Any]
+    params: str  # the total its model card publishes, as written there ("106B", "30.5B")
+    active: str  # the parameters per token it publishes
+    active_with_embeddings: bool  # whether that figure counts the embedding and the output head
+
+
+CATALOG: dict[str, Entry] = {
+    "zai-org/GLM-4.5-Air": Entry("glm4_moe", GLM45_AIR, "106B", "12B", active_with_embeddings=False),
+    "Qwen/Qwen3-30B-A3B": Entry("qwen3_moe", QWEN3_30B_A3B, "30.5B", "3.3B", active_with_embeddings=True),
 }
 
 
-def hf_config_of(name: str) -> tuple[Any, str]:
+def architecture(name: str) -> tuple[Any, str]:
     """(config, where it came from)."""
     from transformers import AutoConfig
 
     if Path(name).is_dir():
         return AutoConfig.from_pretrained(name), f"{name}/config.json"
     if name in CATALOG:
-        model_type, values = CATALOG[name]
-        return AutoConfig.for_model(model_type, **values), "rlray's catalog of its recipes' models (offline)"
+        entry = CATALOG[name]
+        return AutoConfig.for_model(entry.model_type, **entry.values), "rlray's catalog of its recipes' models (offline)"
     return AutoConfig.from_pretrained(name), f"the hub's {name}/config.json"

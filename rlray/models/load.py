@@ -35,12 +35,14 @@ from rlray.parallel.parallelize import parallelize
 FUSED = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<param>gate_up_proj|down_proj)$")
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # offsets, sizes
 CP_ATTENTION = "rlray_cp"
+FLASH_DTYPES = ("bfloat16", "float16")
 
 
-def hf_config(path: str) -> Any:
+def read_config(folder: str) -> Any:
+    """The transformers config of the checkpoint in `folder`."""
     from transformers import AutoConfig
 
-    return AutoConfig.from_pretrained(path)
+    return AutoConfig.from_pretrained(folder)
 
 
 def local_folder(name: str) -> Path:
@@ -54,15 +56,16 @@ def local_folder(name: str) -> Path:
     return Path(snapshot_download(name, allow_patterns=patterns))
 
 
-def attention_for(device: torch.device, dims: ParallelDims) -> str:
-    """Attention within each packed sequence: flash-attn's varlen kernels on GPU when installed
-    (transformers derives the sequence boundaries from the position ids), else one SDPA call
-    per sequence; under cp, against the keys of the whole cp group."""
+def attention_for(device: torch.device, dims: ParallelDims, dtype: str = "float32") -> str:
+    """Attention within each packed sequence: flash-attn's varlen kernels on GPU when installed and
+    the compute dtype is 16-bit (flash-attn refuses float32; transformers derives the sequence
+    boundaries from the position ids), else one SDPA call per sequence; under cp, against the keys
+    of the whole cp group."""
     register_attention(PACKED, packed_attention)
     register_attention(CP_ATTENTION, context.attention)
     if dims.cp_enabled:
         return CP_ATTENTION
-    if device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None:
+    if device.type == "cuda" and dtype in FLASH_DTYPES and importlib.util.find_spec("flash_attn") is not None:
         return "flash_attention_2"
     return PACKED
 
@@ -71,11 +74,11 @@ def build_model(path: str, dims: ParallelDims, cfg: TrainerConfig, device: torch
     from transformers import AutoModelForCausalLM
 
     folder = local_folder(path)
-    config = hf_config(str(folder))
+    config = read_config(str(folder))
     dims.check_model(config)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32,
-                                                 attn_implementation=attention_for(device, dims))
+                                                 attn_implementation=attention_for(device, dims, cfg.param_dtype))
     parallelize(model, dims, cfg)
     model.to_empty(device=device)
     init_non_persistent_buffers(model)

@@ -24,6 +24,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -32,7 +33,6 @@ from rlray.config import ModelConfig
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
-ARCHS = ("qwen3", "qwen3_moe", "glm4_moe", "llama")
 MANIFEST = "rlray-manifest.json"
 REQUIRED = ("config.json", "tokenizer.json", "tokenizer_config.json")
 
@@ -52,27 +52,40 @@ def _common(cfg: ModelConfig, vocab: int, tok) -> dict:
         "intermediate_size": cfg.intermediate_size,
         "max_position_embeddings": 512,
         "tie_word_embeddings": cfg.tie_word_embeddings,
+        "initializer_range": cfg.init_std,
         "bos_token_id": tok.bos_token_id,
         "eos_token_id": tok.eos_token_id,
         "pad_token_id": tok.pad_token_id,
     }
 
 
-def hf_config(cfg: ModelConfig, vocab: int, tok) -> PretrainedConfig:
-    from transformers import Glm4MoeConfig, LlamaConfig, Qwen3Config, Qwen3MoeConfig
+def _moe(cfg: ModelConfig) -> dict:
+    return {"num_experts_per_tok": cfg.experts_per_token, "moe_intermediate_size": cfg.moe_intermediate_size}
 
-    base = _common(cfg, vocab, tok)
-    moe = {"num_experts_per_tok": cfg.experts_per_token, "moe_intermediate_size": cfg.moe_intermediate_size}
-    if cfg.arch == "qwen3":
-        return Qwen3Config(**base)
-    if cfg.arch == "llama":
-        return LlamaConfig(**base)
-    if cfg.arch == "qwen3_moe":
-        return Qwen3MoeConfig(**base, **moe, num_experts=cfg.num_experts, decoder_sparse_step=1)
-    if cfg.arch == "glm4_moe":
-        return Glm4MoeConfig(**base, **moe, n_routed_experts=cfg.num_experts, n_shared_experts=1,
-                             first_k_dense_replace=1, n_group=1, topk_group=1)
-    raise ValueError(f"model.arch='{cfg.arch}' is not a tiny architecture; choose one of {ARCHS}")
+
+# The tiny architectures (`model.arch`): transformers' config class and what the architecture adds
+# to the shared dimensions. Adding a family is one entry (and its test models run everywhere).
+ARCHS: dict[str, tuple[str, Callable[[ModelConfig], dict]]] = {
+    "qwen3": ("Qwen3Config", lambda cfg: {}),
+    "llama": ("LlamaConfig", lambda cfg: {}),
+    "qwen3_moe": ("Qwen3MoeConfig", lambda cfg: {**_moe(cfg), "num_experts": cfg.num_experts,
+                                                 "decoder_sparse_step": 1}),
+    "glm4_moe": ("Glm4MoeConfig", lambda cfg: {**_moe(cfg), "n_routed_experts": cfg.num_experts,
+                                               "n_shared_experts": 1, "first_k_dense_replace": 1, "n_group": 1,
+                                               "topk_group": 1}),
+}
+DEFAULT_ARCH = "qwen3"
+
+
+def tiny_architecture(cfg: ModelConfig, vocab: int, tok) -> PretrainedConfig:
+    """The transformers config of a tiny `cfg.arch` model (qwen3 when unset) over `tok`'s vocabulary."""
+    import transformers
+
+    arch = cfg.arch or DEFAULT_ARCH
+    if arch not in ARCHS:
+        raise ValueError(f"model.arch='{arch}' is not a tiny architecture; choose one of {sorted(ARCHS)}")
+    config_class, extra = ARCHS[arch]
+    return getattr(transformers, config_class)(**_common(cfg, vocab, tok), **extra(cfg))
 
 
 def _key(cfg: ModelConfig) -> str:
@@ -89,7 +102,7 @@ def build(cfg: ModelConfig, out: Path) -> None:
 
     tok = char_tokenizer()
     torch.manual_seed(cfg.seed)
-    model = AutoModelForCausalLM.from_config(hf_config(cfg, len(tok), tok), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(tiny_architecture(cfg, len(tok), tok), dtype=torch.float32)
     model.generation_config.eos_token_id = tok.eos_token_id
     model.save_pretrained(out)
     tok.save_pretrained(out)

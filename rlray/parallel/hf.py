@@ -13,6 +13,11 @@
   it, so transformers hands it `attention_mask=None` and builds no mask of its own.
 - `sdpa_attention(module, query, key, value, mask, causal, **kwargs)`: transformers' own SDPA
   attention (GQA head repeat, scaling, dropout) with a boolean mask of ours, or causal.
+- `router_weights(router, logits, indices)`: what a transformers MoE router computes as the routing
+  weights of experts `indices` [N, K] from its `logits` [N, E] (Qwen3-MoE: softmax, renormalised
+  over the top-k; GLM-4.5: sigmoid without the correction bias, renormalised, times
+  `routed_scaling_factor`), for routing replay (rlray.parallel.routing). `ROUTERS` names the router
+  classes it knows.
 - `all_gather_autograd(x, group)`: torch's functional all-gather along dim 0 whose backward
   returns each rank's share of the gradient (an all-to-all on gloo, which has no reduce-scatter).
 """
@@ -22,6 +27,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
@@ -58,6 +64,30 @@ def sdpa_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
 
     kwargs.pop("is_causal", None)
     return sdpa_attention_forward(module, query, key, value, mask, is_causal=causal, **kwargs)
+
+
+def _softmax_weights(router: nn.Module, logits: Tensor, indices: Tensor) -> Tensor:
+    w = torch.softmax(logits, dtype=torch.float, dim=-1).gather(1, indices)
+    if router.norm_topk_prob:
+        w = w / w.sum(dim=-1, keepdim=True)
+    return w.to(logits.dtype)
+
+
+def _sigmoid_weights(router: nn.Module, logits: Tensor, indices: Tensor) -> Tensor:
+    w = logits.sigmoid().gather(1, indices)
+    if router.norm_topk_prob:
+        w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
+    return w * router.routed_scaling_factor
+
+
+ROUTERS: dict[str, Callable[[nn.Module, Tensor, Tensor], Tensor]] = {
+    "Qwen3MoeTopKRouter": _softmax_weights,
+    "Glm4MoeTopkRouter": _sigmoid_weights,
+}
+
+
+def router_weights(router: nn.Module, logits: Tensor, indices: Tensor) -> Tensor:
+    return ROUTERS[type(router).__name__](router, logits, indices)
 
 
 def all_gather_autograd(x: Tensor, group: Any) -> Tensor:

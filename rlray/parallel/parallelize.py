@@ -11,7 +11,8 @@ Contract: `parallelize(model, dims, cfg)` applies, in this order,
    are gathered at a time, in `cfg.param_dtype` with fp32 master weights and reductions.
 It works on a meta-device model (rlray.models.load materialises the shards afterwards).
 `clip_grad_norm_(params, max_norm)` clips by the global norm over parameters that may live
-on different meshes (dense and expert). CP has its place in `dims`; it is not applied yet.
+on different meshes (dense and expert). Context parallelism needs no change to the model: it lives in
+the attention function (rlray.parallel.context) and the micro-batch layout (rlray.data.layout).
 """
 
 from __future__ import annotations

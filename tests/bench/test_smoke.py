@@ -61,6 +61,31 @@ def test_gpu_step_tiny_runs_on_cpu(tmp_path: Path) -> None:
 
 
 @pytest.mark.bench
+def test_gpu_smoke_checks_run_on_cpu(tmp_path: Path) -> None:
+    """`gpu-smoke --cpu` runs every check the CPU can (gloo, fp32, tiny models); the CUDA-only ones say so."""
+    stdout, report = bench("gpu-smoke", tmp_path, "--cpu", "--cache", str(tmp_path / "models"))
+    results = {(r["check"], r["model"]): r["result"] for r in report["rows"]}
+    skipped = {k for k, v in results.items() if v == "skipped"}
+    assert skipped == {("side-stream gather", "dense-tiny"), ("side-stream gather", "moe-tiny"),
+                       ("two ranks, one GPU: trainer", "-")}, results
+    assert all(v == "ok" for k, v in results.items() if k not in skipped), results
+    assert {c for c, _ in results} == {"setup", "logprobs vs transformers fp32", "train step", "DCP save and load",
+                                       "side-stream gather", "two ranks, one GPU: config", "two ranks, one GPU: trainer"}
+    assert report["failed"] == [] and "9 ok, 0 failed, 3 skipped" in stdout
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="this machine has CUDA: the smoke would run")
+def test_gpu_smoke_without_cuda_exits_1_with_one_line() -> None:
+    proc = subprocess.run([sys.executable, "-m", "rlray.bench", "gpu-smoke"], cwd=REPO, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    from rlray.bench.gpu_smoke import NO_CUDA
+
+    assert proc.stderr.strip().splitlines() == [NO_CUDA]
+    assert NO_CUDA.startswith("gpu-smoke: no CUDA device here")
+
+
+@pytest.mark.bench
 @pytest.mark.dist
 def test_trainer_quick(tmp_path: Path) -> None:
     stdout, report = bench("trainer", tmp_path)
@@ -139,3 +164,12 @@ def test_memory_quick(tmp_path: Path) -> None:
         if r["ranks"] == 2:  # half the parameters each, experts included (tiny-moe runs ep=2)
             assert r["params_gb"] <= 0.6 * r["full_gb"] and r["ep"] == (2 if "moe" in r["model"] else 1)
     assert "tiny-moe params/rank / full, 2 ranks" in stdout
+
+
+def test_mismatch_quick_replay_lowers_the_moe_mismatch(tmp_path: Path) -> None:
+    """The mismatch gate in bf16: with the engine's experts replayed the Qwen3-MoE's KL(engine || trainer)
+    falls (the benchmark exits 1 otherwise), over the same rollouts."""
+    _, report = bench("mismatch", tmp_path, "--models", "qwen3_moe")
+    off, on = report["rows"]
+    assert (off["replay"], on["replay"]) == ("off", "on") and off["tokens"] == on["tokens"] > 0
+    assert 0 < on["mismatch_kl"] < off["mismatch_kl"] and 0 < off["router_agreement"] <= 1

@@ -89,6 +89,20 @@ def test_resumed_run_keeps_last_record_per_step(tmp_path: Path) -> None:
     assert values == [0.0, 0.0, 1.0, 1.0, 1.0]
 
 
+def test_held_out_rewards_come_from_every_evaluation_at_its_step(tmp_path: Path) -> None:
+    """The evaluations before the first RL step and after the last are drawn too, at the number of steps
+    taken when each ran (the policy version); the SFT ones on the SFT axis."""
+    path = tmp_path / "metrics.jsonl"
+    recs = [{"stage": "rl", "step": s, "reward_mean": 0.5, "eval_reward": 0.99 if s == 1 else None} for s in range(4)]
+    recs += [{"stage": "eval", "step": i, "tag": tag, "at": at, "eval_reward": r}
+             for i, (tag, at, r) in enumerate([("sft-2", 2, 0.4), ("rl-start", 0, 0.6), ("rl-2", 2, 0.7),
+                                               ("rl-end", 4, 0.8)])]
+    path.write_text("\n".join(json.dumps(r) for r in recs) + "\n")
+    records = read_records(path)
+    assert series(records, "rl", ["eval_reward"]) == {"eval_reward": ([0, 2, 4], [0.6, 0.7, 0.8])}
+    assert series(records, "sft", ["eval_reward"]) == {"eval_reward": ([2], [0.4])}
+
+
 def test_non_numeric_values_are_skipped(tmp_path: Path) -> None:
     path = tmp_path / "metrics.jsonl"
     recs = [{"stage": "rl", "step": 0, "lag_mean": None}, {"stage": "rl", "step": 1, "lag_mean": "NaN"},

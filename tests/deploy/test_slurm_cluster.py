@@ -43,11 +43,12 @@ import json
 import os
 
 import rlray
-from rlray.envs.reverse_text import load_environment as reverse_text
+from rlray.envs.builtin.reverse_text import load_environment as reverse_text
 
 
 def load_environment(**kwargs):
-    record = {{"file": __file__, "rlray": rlray.__file__, "node": os.environ.get("SLURMD_NODENAME"), "pid": os.getpid()}}
+    record = {{"file": __file__, "rlray": rlray.__file__, "node": os.environ.get("SLURMD_NODENAME"), "pid": os.getpid(),
+              "bench": os.path.isdir(os.path.join(os.path.dirname(rlray.__file__), "bench"))}}
     with open({record!r}, "a") as f:
         f.write(json.dumps(record) + "\\n")
     return reverse_text(**kwargs)
@@ -221,6 +222,7 @@ def test_sbatch_runs_the_recipe_on_two_ray_nodes(slurm: dict[str, str], bad_run:
     for i in on_node2:  # both from the copies the runtime_env shipped, not from this checkout's folders
         assert "runtime_resources" in i["file"] and not i["file"].startswith(str(modules)), i
         assert "runtime_resources" in i["rlray"] and not i["rlray"].startswith(str(ROOT)), i
+        assert not i["bench"], i  # rlray/bench stays behind: a run ships the run's code
 
     assert view is not None, "the dashboard was never looked at: no 'actors ready in' line in the job's output"
     assert set(ACTORS) <= set(view.actors) and set(GROUPS) <= set(view.placement_groups), view

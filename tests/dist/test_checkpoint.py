@@ -7,17 +7,19 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from rlray import checkpoint
-from rlray.config import AlgoConfig, TrainerConfig
+from rlray.algo.loss import algo_config
+
+from rlray.orchestration import checkpoint
+from rlray.config import TrainerConfig
 from tests.dist.common import spawn
 from tests.dist.test_fsdp_trainer import MODEL, batch
 
 
 def worker(rank: int, world: int, port: int, out: dict, root: str) -> None:
-    from rlray.trainer import TrainerActor
+    from rlray.actors.trainer import TrainerActor
 
     t = TrainerActor(rank, world, f"127.0.0.1:{port}", MODEL, TrainerConfig(lr=1e-2, num_ranks=world),
-                     AlgoConfig(aggregation="token"), "gloo", temperature=1.0)
+                     algo_config(aggregation="token"), "gloo", temperature=1.0)
     t.setup()
     mbs = batch(world, rl=True)[rank]
     t.train_step(mbs)
@@ -25,13 +27,13 @@ def worker(rank: int, world: int, port: int, out: dict, root: str) -> None:
     path = str(Path(root) / "ckpt_rl_00000001.tmp")
     torch.distributed.barrier()
     t.save(path)
-    saved = {n: p.clone() for n, p in t._full_params()}
+    saved = {n: p.clone() for n, p in t.publisher.full_params()}
     after_save = t.train_step(mbs)  # moves the weights and the Adam moments
-    moved = {n: p.clone() for n, p in t._full_params()}
+    moved = {n: p.clone() for n, p in t.publisher.full_params()}
     t.load(path)
-    restored = {n: p.clone() for n, p in t._full_params()}
+    restored = {n: p.clone() for n, p in t.publisher.full_params()}
     replay = t.train_step(mbs)  # the same step from the same model *and Adam state*: the same weights
-    replayed = {n: p.clone() for n, p in t._full_params()}
+    replayed = {n: p.clone() for n, p in t.publisher.full_params()}
     if rank == 0:
         checkpoint.commit(tmp, {"stage": "rl", "step": 1, "saved_at": 0.0}, keep=1)
         out["moved"] = max(float((moved[n] - saved[n]).abs().max()) for n in saved)

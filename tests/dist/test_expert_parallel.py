@@ -1,7 +1,9 @@
 """Expert parallelism on gloo: 2 and 4 ranks, EP alone and with FSDP over the remaining ranks
 (and activation checkpointing), give the loss and gradients of one plain transformers process
 on the same global batch, for tiny Glm4Moe and Qwen3Moe. Every data-parallel rank trains on
-its own sequences; one case routes no token at all to one rank's experts."""
+its own sequences; one case routes no token at all to one rank's experts. With router replay (EP x
+FSDP, packing, activation checkpointing) every experts call, recomputation included, gets the
+engine's experts for every routed token, and the result matches one process replaying them."""
 
 from __future__ import annotations
 
@@ -9,9 +11,15 @@ import numpy as np
 import pytest
 import torch
 
-from rlray.config import AlgoConfig, ModelConfig, TrainerConfig
+from rlray.algo.loss import algo_config
+
+from rlray.config import ModelConfig, TrainerConfig
 from rlray.data.packing import Sample, pack
+from rlray.data.layout import model_inputs
 from rlray.models.tiny import model_path
+from rlray.parallel.expert import moe_experts
+from rlray.parallel.routing import RouterReplay
+from rlray.types import no_route
 from tests.dist.common import assert_grads_close, full_grads, spawn
 
 SHAPE = {"num_layers": 2, "hidden_size": 64, "num_heads": 2, "num_kv_heads": 1, "intermediate_size": 128,
@@ -21,12 +29,20 @@ QWEN = ModelConfig(arch="qwen3_moe", seed=6, **SHAPE)
 ROUTER = "model.layers.1.mlp.gate"  # the MoE layer (GLM's layer 0 is dense)
 
 
-def samples() -> list[Sample]:
+def engine_routing(rng: np.random.Generator, positions: int, layers: int) -> np.ndarray:
+    """Experts an engine might have routed to: any top-2 of 4 per (position, layer), the last position none."""
+    r = np.stack([np.stack([rng.permutation(4)[:2] for _ in range(layers)]) for _ in range(positions)])
+    r[-1] = no_route(np.uint8)
+    return r.astype(np.uint8)
+
+
+def samples(routing_layers: int = 0) -> list[Sample]:
     rng = np.random.default_rng(1)
     out = []
     for i in range(8):
         p, c = rng.integers(4, 40, size=3 + i % 4), rng.integers(4, 40, size=3 + i % 3)
-        out.append(Sample(p, c, np.ones(len(c), np.float32), 0.0, np.zeros(len(c), np.float32)))
+        routing = engine_routing(rng, len(p) + len(c), routing_layers) if routing_layers else None
+        out.append(Sample(p, c, np.ones(len(c), np.float32), 0.0, np.zeros(len(c), np.float32), routing=routing))
     return out
 
 
@@ -42,14 +58,18 @@ def biased_glm(folder) -> str:
     return str(folder)
 
 
-def reference(path: str) -> dict:
-    """One plain transformers process over the whole batch: the independent computation."""
+def reference(path: str, routing_layers: int = 0) -> dict:
+    """One plain transformers process over the whole batch: the independent computation (with
+    `routing_layers`, replaying the samples' routing over a padded row each)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    (mb,) = pack(samples(), 1, micro_batch_tokens=4096, pad_id=0, packed=False)[0]  # a padded row each
+    (mb,) = pack(samples(routing_layers), 1, micro_batch_tokens=4096, pad_id=0, packed=False)[0]  # a padded row each
     ids, mask = torch.tensor(mb.input_ids), torch.tensor(mb.loss_mask)
-    logits = model(input_ids=ids, attention_mask=torch.tensor(mb.attention_mask)).logits
+    replay = RouterReplay(model, replay=True)
+    routing = torch.tensor(mb.routing.reshape(-1, *mb.routing.shape[2:]).astype(np.int64)) if routing_layers else None
+    with replay.routing(routing):
+        logits = model(input_ids=ids, attention_mask=torch.tensor(mb.attention_mask)).logits
     logp = torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
     loss = -(logp * mask[:, 1:]).sum() / mask.sum()
     loss.backward()
@@ -59,18 +79,22 @@ def reference(path: str) -> dict:
 def worker(rank: int, world: int, port: int, out: dict, cases: list) -> None:
     import torch.distributed as dist
 
-    from rlray.trainer import TrainerActor
+    from rlray.actors.trainer import TrainerActor
 
-    for key, path, ep, ac in cases:
-        cfg = TrainerConfig(num_ranks=world, ep=ep, activation_checkpointing=ac, micro_batch_tokens=64)
-        t = TrainerActor(rank, world, f"127.0.0.1:{port}", ModelConfig(name=path), cfg, AlgoConfig(), "gloo", 1.0)
+    for key, path, ep, ac, routing_layers in cases:
+        cfg = TrainerConfig(num_ranks=world, ep=ep, activation_checkpointing=ac, micro_batch_tokens=64,
+                            router_replay=routing_layers > 0)
+        t = TrainerActor(rank, world, f"127.0.0.1:{port}", ModelConfig(name=path), cfg, algo_config(), "gloo", 1.0)
         t.setup()
-        mbs = pack(samples(), world, micro_batch_tokens=64, pad_id=0)[rank]
+        mbs = pack(samples(routing_layers), world, micro_batch_tokens=64, pad_id=0)[rank]
+        calls = record_expert_calls(t.model)
         sums = t.forward_backward(mbs, rl=False)
+        if routing_layers:
+            replayed_everywhere(calls, mbs, 2 if ac else 1)
         loss = torch.tensor(sums["loss"] / mbs[0].num_loss_tokens_global, dtype=torch.float64)
         dist.all_reduce(loss)
         grads = full_grads(t.model)
-        counts = torch.stack(t.expert_load.counts)
+        counts = torch.stack(t.learner.expert_load.counts)
         dist.all_reduce(counts)
         positions = torch.tensor(sum(mb.input_ids.size for mb in mbs))  # the router sees padding too
         dist.all_reduce(positions)
@@ -82,6 +106,25 @@ def worker(rank: int, world: int, port: int, out: dict, cases: list) -> None:
                         "positions": int(positions),
                         "local_experts": int(t.model.get_submodule("model.layers.1.mlp.experts").num_experts)}
     dist.destroy_process_group()
+
+
+def record_expert_calls(model: torch.nn.Module) -> list[list[torch.Tensor]]:
+    """Per MoE layer, the expert indices each call of its experts module got (recomputation too)."""
+    calls: list[list[torch.Tensor]] = []
+    for _, module in moe_experts(model):
+        calls.append([])
+        module.register_forward_pre_hook(lambda _m, args, log=calls[-1]: log.append(args[1].detach().clone()))
+    return calls
+
+
+def replayed_everywhere(calls: list[list[torch.Tensor]], mbs: list, calls_per_micro_batch: int) -> None:
+    """Every routed token of every micro-batch went to the engine's experts, in each call."""
+    for layer, log in enumerate(calls):
+        assert len(log) == len(mbs) * calls_per_micro_batch
+        for j, got in enumerate(log):
+            want = torch.tensor(model_inputs(mbs[j // calls_per_micro_batch], torch.device("cpu"))["routing"][:, layer])
+            routed = (want < 4).all(-1)
+            assert routed.sum() > 0 and torch.equal(got[routed], want[routed])
 
 
 def check(result: dict, ref: dict, ep: int) -> None:
@@ -97,14 +140,17 @@ def test_expert_parallel_matches_one_process(tmp_path) -> None:
     glm, qwen, biased = model_path(GLM), model_path(QWEN), biased_glm(tmp_path / "biased")
     refs = {"glm": reference(glm), "qwen": reference(qwen), "biased": reference(biased)}
 
-    two = spawn(worker, 2, [("glm", glm, 2, False), ("qwen", qwen, 2, False), ("biased", biased, 2, False)])
+    two = spawn(worker, 2, [("glm", glm, 2, False, 0), ("qwen", qwen, 2, False, 0), ("biased", biased, 2, False, 0)])
     for key in ("glm", "qwen", "biased"):
         check(two[key], refs[key], ep=2)
     counts = two["biased"]["counts"][0]  # tokens per expert of the one MoE layer, over both ranks
     assert counts[2] == counts[3] == 0 and counts[0] == counts[1] > 0  # rank 1's experts get no token
 
-    four = spawn(worker, 4, [("glm_fsdp_ac", glm, 2, True), ("qwen_ep4", qwen, 4, False),
-                             ("qwen_fsdp", qwen, 2, False)])
+    refs["qwen_replay"] = reference(qwen, routing_layers=2)
+    four = spawn(worker, 4, [("glm_fsdp_ac", glm, 2, True, 0), ("qwen_ep4", qwen, 4, False, 0),
+                             ("qwen_fsdp", qwen, 2, False, 0), ("qwen_replay", qwen, 2, True, 2)])
     check(four["glm_fsdp_ac"], refs["glm"], ep=2)  # EP 2 x FSDP 2 over experts, checkpointed layers
     check(four["qwen_ep4"], refs["qwen"], ep=4)
     check(four["qwen_fsdp"], refs["qwen"], ep=2)
+    check(four["qwen_replay"], refs["qwen_replay"], ep=2)  # EP 2 x FSDP 2, checkpointed, replayed
+    assert np.abs(four["qwen_replay"]["grads"][ROUTER + ".weight"]).max() > 0  # the router still learns

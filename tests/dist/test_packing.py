@@ -10,8 +10,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from rlray.data.layout import model_inputs
+from rlray.algo.loss import algo_config
+
 from rlray.algo.loss import get_loss
-from rlray.config import AlgoConfig, ModelConfig, TrainerConfig
+from rlray.config import ModelConfig, TrainerConfig
 from rlray.data.packing import Sample, pack
 from rlray.models.tiny import model_path
 from tests.dist.common import assert_grads_close, full_grads, spawn
@@ -32,7 +35,7 @@ def samples(seed: int = 0) -> list[Sample]:
 
 
 def loss_and_grads(t, mbs: list) -> dict:
-    t.optimizer.zero_grad(set_to_none=True)
+    t.learner.optimizer.zero_grad(set_to_none=True)
     sums = t.forward_backward(mbs, rl=True)
     loss = torch.tensor(sums["loss"], dtype=torch.float64)
     dist.all_reduce(loss)
@@ -42,9 +45,9 @@ def loss_and_grads(t, mbs: list) -> dict:
 
 def scored_alone(t, mb) -> list[tuple[list[float], list[float]]]:
     """(packed, alone) logprobs of every sequence of a packed micro-batch."""
-    tensors = t._tensors(mb)
+    tensors = model_inputs(mb, t.device)
     with torch.no_grad():
-        packed = t._token_logprobs(tensors, 1.0)
+        packed = t.learner._token_logprobs(tensors, 1.0)
     pairs = []
     for n in range(packed.shape[0]):
         ids = mb.input_ids[mb.segment_ids == n].tolist()
@@ -53,13 +56,13 @@ def scored_alone(t, mb) -> list[tuple[list[float], list[float]]]:
 
 
 def worker(rank: int, world: int, port: int, out: dict) -> None:
-    from rlray.trainer import TrainerActor
+    from rlray.actors.trainer import TrainerActor
 
-    t = TrainerActor(rank, world, f"127.0.0.1:{port}", MODEL, TrainerConfig(num_ranks=world), AlgoConfig(),
+    t = TrainerActor(rank, world, f"127.0.0.1:{port}", MODEL, TrainerConfig(num_ranks=world), algo_config(),
                      "gloo", temperature=0.7)
     t.setup()
     for name in LOSSES:
-        t.algo, t.loss_fn = AlgoConfig(loss=name), get_loss(name)
+        t.learner.algo, t.learner.loss_fn = algo_config(loss=name), get_loss(name)
         for packed in (True, False):
             mbs = pack(samples(), world, micro_batch_tokens=40, pad_id=0, packed=packed)[rank]
             result = loss_and_grads(t, mbs)

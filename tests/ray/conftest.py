@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 
+from rlray.algo.loss import resolve
 from rlray.config import ClusterConfig, Config, register, to_config
 
 BASE = ["logging.wandb=disabled", "model.num_layers=2", "sft.max_steps=4", "sft.eval_every=2",
@@ -36,14 +38,16 @@ def tiny_config(tmp_path, *overrides: str, **sections: dict[str, Any]) -> Config
     register()
     with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
         cfg = compose("config", overrides=[f"run.dir={tmp_path / 'run'}", *BASE, *overrides, *extra])
-    return to_config(cfg)
+    c = to_config(cfg)
+    resolve(c.algo)  # as launch does
+    return c
 
 
 @pytest.fixture(scope="session")
 def ray_cluster() -> Iterator[None]:
     import ray
 
-    from rlray import cluster
+    from rlray.orchestration import cluster
 
     cluster.connect(ClusterConfig())
     yield
@@ -56,7 +60,7 @@ class Crash(RuntimeError):
 
 def crash_at_rl_step(monkeypatch: pytest.MonkeyPatch, step: int) -> Callable[[], None]:
     """Make the run raise `Crash` when it logs RL step `step`; returns the undo."""
-    from rlray.metrics import Metrics
+    from rlray.orchestration.metrics import Metrics
 
     real_log = Metrics.log
 
@@ -67,3 +71,21 @@ def crash_at_rl_step(monkeypatch: pytest.MonkeyPatch, step: int) -> Callable[[],
 
     monkeypatch.setattr(Metrics, "log", log)
     return lambda: monkeypatch.setattr(Metrics, "log", real_log)
+
+
+def kill_engine(actor: Any, timeout: float = 60) -> float:
+    """SIGKILL rollout actor `actor`'s EngineCore process (what an OOM or a CUDA fault does: the engine
+    is gone, the actor lives on) and wait until the actor knows; returns the time of the kill."""
+    import psutil
+    import ray
+
+    pid = ray.get(actor.pid.remote(), timeout=timeout)
+    cores = [p for p in psutil.Process(pid).children() if p.name() == "VLLM::EngineCore"]
+    assert len(cores) == 1, f"rollout actor (pid {pid}) has EngineCore children {cores}"
+    cores[0].kill()
+    killed = deadline = time.monotonic()
+    deadline += timeout
+    while ray.get(actor.stats.remote(), timeout=timeout)["failure"] is None:
+        assert time.monotonic() < deadline, "the rollout actor did not notice its engine's death"
+        time.sleep(0.05)
+    return killed

@@ -10,36 +10,20 @@ two syncs, at a known step.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from types import SimpleNamespace
 from typing import Any
 
-import psutil
 import pytest
 import ray
 
 from rlray.config import Config
-from rlray.controller import Controller, run
-from rlray.metrics import Metrics
-from tests.ray.conftest import tiny_config
+from rlray.orchestration.controller import Controller, run
+from rlray.orchestration.metrics import Metrics
+from tests.ray.conftest import kill_engine, tiny_config
 from tests.ray.test_replace import rl_records
-
-
-def kill_engine(actor_name: str, timeout: float = 60) -> float:
-    """SIGKILL rollout actor `actor_name`'s EngineCore process and wait until the actor knows its
-    engine is gone; returns the time of the kill (time.monotonic())."""
-    actor = ray.get_actor(actor_name)
-    pid = ray.get(actor.pid.remote(), timeout=timeout)
-    cores = [p for p in psutil.Process(pid).children() if p.name() == "VLLM::EngineCore"]
-    assert len(cores) == 1, f"{actor_name} (pid {pid}) has EngineCore children {cores}"
-    cores[0].kill()
-    killed = deadline = time.monotonic()
-    deadline += timeout
-    while ray.get(actor.stats.remote(), timeout=timeout)["failure"] is None:
-        assert time.monotonic() < deadline, f"{actor_name} did not notice its engine's death"
-        time.sleep(0.05)
-    return killed
 
 
 def kill_engines_at(monkeypatch: pytest.MonkeyPatch, kills: dict[int, str]) -> list[float]:
@@ -49,7 +33,7 @@ def kill_engines_at(monkeypatch: pytest.MonkeyPatch, kills: dict[int, str]) -> l
     def log(self: Metrics, stage: str, at: int, values: dict, total: int | None = None) -> None:
         real_log(self, stage, at, values, total)
         if stage == "rl" and at in kills:
-            times.append(kill_engine(kills[at]))
+            times.append(kill_engine(ray.get_actor(kills[at])))
 
     monkeypatch.setattr(Metrics, "log", log)
     return times
@@ -114,3 +98,119 @@ def test_a_starved_step_fails_naming_what_it_waited_for(ray_cluster, tmp_path) -
                                  "last errors: rollout-0: ValueError: no; rollout-1: none. "
                                  "Raise rl.batch_timeout_s if rollouts are just slow")
     ctl.metrics.close()
+
+
+class HungTrainer:
+    """A trainer rank whose broadcast never returns: a collective hung on a peer that is gone."""
+
+    def __init__(self) -> None:
+        self.closed = 0
+
+    def broadcast_weights(self, version: int) -> None:
+        time.sleep(3600)
+
+    def close_weight_group(self) -> None:
+        self.closed += 1
+
+    def closes(self) -> int:
+        return self.closed
+
+
+class StubRollout:
+    """A rollout actor's `stats` as the fleet reads them during a sync."""
+
+    def __init__(self, failure: str | None, version: int) -> None:
+        self.failure, self.version = failure, version
+
+    async def stats(self) -> dict[str, Any]:
+        return {"failure": self.failure, "version": self.version, "loading": True}
+
+
+@pytest.fixture(scope="module")
+def hung_trainer(ray_cluster) -> Any:
+    """One trainer rank for the stub fleets; a broadcast to it hangs, and so does every later one,
+    queued behind the first, as on a rank whose collective never returns."""
+    from rlray.orchestration import cluster
+
+    trainer = ray.remote(concurrency_groups={cluster.CONTROL: 1})(HungTrainer).remote()
+    ray.get(trainer.closes.remote())
+    yield trainer
+    ray.kill(trainer)
+
+
+def stub_fleet(trainer: Any, backend: str, rollouts: list[tuple[str | None, int]]) -> Any:
+    from rlray.orchestration import cluster
+    from rlray.orchestration.fleet import RolloutFleet
+
+    c = Config()
+    c.cluster.backend = backend
+    c.weights.sync_timeout_s, c.weights.group_timeout_s = 2.0, 1.0
+    stubs = [ray.remote(StubRollout).remote(*r) for r in rollouts]
+    ray.get([s.stats.remote() for s in stubs])  # started
+    return RolloutFleet(c, cluster.Handles([trainer], stubs, buffer=None, master=""))
+
+
+def closes(trainer: Any) -> int:
+    return ray.get(trainer.closes.options(concurrency_group="control").remote(), timeout=10)
+
+
+def test_an_engine_lost_mid_sync_on_nccl_stops_the_run_in_one_line(hung_trainer) -> None:
+    """vLLM's NCCL group cannot be abandoned: the fleet names the engine and stops, without waiting
+    for the hung broadcast or queueing a call behind it."""
+    fleet = stub_fleet(hung_trainer, "nccl", [("its vLLM engine died (EngineDeadError: EngineCore died)", 0),
+                                              (None, 0)])
+    t0, before = time.monotonic(), closes(hung_trainer)
+    with pytest.raises(RuntimeError) as caught:
+        fleet.sync(1)
+    assert time.monotonic() - t0 < 10
+    message = str(caught.value)
+    assert "\n" not in message
+    assert message.startswith("rollout-0 was lost (its vLLM engine died (EngineDeadError: EngineCore died)) during "
+                              "the weight sync to policy version 1; vLLM's NCCL weight group has no timeout"), message
+    assert "rollout-1" not in message
+    assert closes(hung_trainer) == before  # nothing was asked of the hung rank
+    for a in fleet.h.rollouts:
+        ray.kill(a)
+
+
+def test_a_sync_past_its_deadline_never_queues_behind_the_hung_broadcast(hung_trainer) -> None:
+    """gloo, nothing lost, the broadcast hung: the trainer leaves the group on its control thread
+    and the sync fails with one line once weights.sync_timeout_s has passed."""
+    fleet = stub_fleet(hung_trainer, "gloo", [(None, 1)])
+    t0, before = time.monotonic(), closes(hung_trainer)
+    with pytest.raises(RuntimeError, match=r"^the weight sync to policy version 1 did not finish within "
+                                           r"weights.sync_timeout_s=2s and no rollout actor was lost"):
+        fleet.sync(1)
+    assert 2 <= time.monotonic() - t0 < 15
+    assert closes(hung_trainer) == before + 1
+    for a in fleet.h.rollouts:
+        ray.kill(a)
+
+
+def test_an_engine_that_has_not_loaded_by_the_deadline_is_replaced_on_gloo(hung_trainer) -> None:
+    fleet = stub_fleet(hung_trainer, "gloo", [(None, 0), (None, 1)])
+    values, lost = fleet._broadcast(1)
+    assert values == {} and lost == {0: "it did not finish the weight sync within weights.sync_timeout_s=2s"}
+    with pytest.raises(ray.exceptions.RayActorError):
+        ray.get(fleet.h.rollouts[0].stats.remote(), timeout=10)  # killed, so that gloo releases rank 0
+    for a in fleet.h.rollouts:
+        ray.kill(a)
+
+
+class DyingTrainer:
+    def broadcast_weights(self, version: int) -> None:
+        os._exit(1)
+
+    def close_weight_group(self) -> None:
+        pass
+
+
+def test_a_trainer_rank_that_dies_mid_sync_stops_the_run_in_one_line(ray_cluster) -> None:
+    from rlray.orchestration import cluster
+
+    trainer = ray.remote(concurrency_groups={cluster.CONTROL: 1})(DyingTrainer).remote()
+    fleet = stub_fleet(trainer, "gloo", [(None, 0)])
+    with pytest.raises(RuntimeError, match=r"^a trainer rank died during the weight sync to policy version 1 \("):
+        fleet.sync(1)
+    for a in fleet.h.rollouts:
+        ray.kill(a)

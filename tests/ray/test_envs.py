@@ -20,9 +20,8 @@ from pathlib import Path
 
 import ray
 
-from rlray.algo.presets import PRESETS
 from rlray.config import Config
-from rlray.controller import run
+from rlray.orchestration.controller import run
 from tests.ray.conftest import tiny_config
 
 FLAKY_ENV = '''
@@ -62,7 +61,7 @@ import time
 import verifiers as vf
 from datasets import Dataset
 
-from rlray.envs import calculator
+from rlray.envs.builtin import calculator
 
 
 def calc(expression: str) -> str:
@@ -99,8 +98,10 @@ def records(run_dir: str, name: str, stage: str | None = None) -> list[dict]:
     return [r for r in map(json.loads, lines) if stage is None or r.get("stage") == stage or r.get("tag") == stage]
 
 
-def rollout_endpoint(deadline: float) -> str:
+def rollout_endpoint(deadline: float, run_thread: threading.Thread) -> str:
     while time.time() < deadline:
+        if not run_thread.is_alive():
+            raise AssertionError("the run ended before its rollout actor served an endpoint (its error is above)")
         try:
             return ray.get(ray.get_actor("rollout-0").endpoint.remote(), timeout=30)
         except Exception:  # not created, or still starting its engine
@@ -124,12 +125,12 @@ def test_env_module_trains_by_id_with_failures_while_serving_openai(ray_cluster,
 
     folder = write_module(tmp_path / "envs", "rlray_test_flaky_env", FLAKY_ENV)
     c = tiny_config(tmp_path, env={"id": "rlray_test_flaky_env", "python_path": [folder]}, rl={"steps": 4},
-                    eval={"num_examples": 8, "num_samples": 2, "temperature": 1.0}, algo=PRESETS[LOSSES["flaky"]])
+                    eval={"num_examples": 8, "num_samples": 2, "temperature": 1.0}, algo={"loss": LOSSES["flaky"]})
     c.stages = ["rl"]
     out: dict = {}
     thread = threading.Thread(target=lambda: out.update(summary=run(c)), daemon=True)
     thread.start()
-    url = rollout_endpoint(time.time() + 600)
+    url = rollout_endpoint(time.time() + 600, thread)
     client = OpenAI(base_url=url, api_key="EMPTY", max_retries=0)
     r = client.chat.completions.create(model="rlray", messages=[{"role": "user", "content": "rev:abc="}],
                                        max_tokens=8, temperature=1.0, logprobs=True,
@@ -185,7 +186,7 @@ def test_multi_turn_game_trains_on_every_rollout(ray_cluster, tmp_path) -> None:
     model turn carries loss; long turns let the random model end most of its turns with eos."""
     c = tiny_config(tmp_path, "env.args={max_turns:4}", env={"id": "guess_number"},
                     rollout={"max_tokens": 48, "max_model_len": 256}, rl={"steps": 2},
-                    eval={"num_examples": 4}, algo=PRESETS[LOSSES["game"]])
+                    eval={"num_examples": 4}, algo={"loss": LOSSES["game"]})
     c.stages = ["rl"]
     run(c)
     rl = records(c.run.dir, "metrics.jsonl", "rl")

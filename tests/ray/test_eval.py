@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from rlray.controller import run
+from rlray.orchestration.controller import run
 
 
 def compose(overrides: list[str]):

@@ -12,19 +12,19 @@ from pathlib import Path
 
 import pytest
 
-from rlray.algo.presets import PRESETS
-from rlray.controller import run
+from rlray.algo.loss import LOSSES
+from rlray.orchestration.controller import run
 from tests.ray.conftest import tiny_config
 from tests.ray.test_envs import LOSSES as IN_ENVS
 from tests.ray.test_replace import LOSSES as IN_REPLACE
 from tests.ray.test_rl_loop import LOSSES as IN_RL_LOOP
 
-OWN_RUN = sorted(set(PRESETS) - set(IN_RL_LOOP) - set(IN_ENVS.values()) - set(IN_REPLACE))  # a new loss gets a run of its own
+OWN_RUN = sorted(set(LOSSES) - set(IN_RL_LOOP) - set(IN_ENVS.values()) - set(IN_REPLACE))  # a new loss gets a run of its own
 
 
 @pytest.mark.parametrize("name", OWN_RUN)
 def test_loss_trains_end_to_end(ray_cluster, tmp_path, name: str) -> None:
-    c = tiny_config(tmp_path, "stages=[rl]", "rl.steps=2", "trainer.num_ranks=1", algo=PRESETS[name])
+    c = tiny_config(tmp_path, "stages=[rl]", "rl.steps=2", "trainer.num_ranks=1", algo={"loss": name})
     assert c.algo.loss == name
     run(c)
     lines = (Path(c.run.dir) / "metrics.jsonl").read_text().splitlines()

@@ -12,10 +12,12 @@ import threading
 import time
 from pathlib import Path
 
+import psutil
 import ray
 
-from rlray.controller import run
-from tests.ray.conftest import tiny_config
+from rlray.orchestration.controller import run
+from rlray.orchestration.fleet import RolloutFleet
+from tests.ray.conftest import kill_engine, tiny_config
 
 LOSSES = ("grpo",)  # the default; this run also checks it as tests/ray/test_losses_e2e would
 
@@ -27,15 +29,44 @@ def rl_records(run_dir: str) -> list[dict]:
     return [r for r in map(json.loads, path.read_text().splitlines()) if r["stage"] == "rl"]
 
 
-def test_killed_rollout_actors_are_replaced(ray_cluster, tmp_path, monkeypatch) -> None:
-    """The only rollout actor is killed twice: between steps (seen by the health check while
-    the trainer waits for its batch), then right before a sync (the broadcast itself fails)."""
-    from rlray.fleet import RolloutFleet
+def kill_engine_mid_broadcast(fleet: RolloutFleet) -> None:
+    """Kill the engine of rollout actor 0 while the sync that starts now is in its broadcast.
 
+    Trainer rank 1 is frozen first, so rank 0 waits in its first gather while the engine, its load
+    started, waits for the first bucket; the engine is killed there, then rank 1 thawed: rank 0's
+    broadcast meets a peer that is gone, as an NCCL broadcast would (where it then hangs)."""
+    rank1 = psutil.Process(ray.get(fleet.h.trainers[1].pid.remote(), timeout=60))
+    actor = fleet.h.rollouts[0]
+    rank1.suspend()
+
+    def kill() -> None:
+        try:
+            while not ray.get(actor.stats.remote(), timeout=60)["loading"]:  # start_weight_update began
+                time.sleep(0.01)
+            time.sleep(1.0)  # it finished, and the load waits for the first bucket
+            kill_engine(actor)
+        finally:
+            rank1.resume()
+
+    threading.Thread(target=kill, daemon=True).start()
+
+
+def test_killed_rollout_actors_are_replaced(ray_cluster, tmp_path, monkeypatch) -> None:
+    """The only rollout actor is lost three times: killed between steps (seen by the health check
+    while the trainer waits for its batch), its engine killed in the middle of a weight sync's
+    broadcast (the fleet's deadline path: the engine is replaced and the sync repeated), then the
+    actor killed right before a sync (the broadcast itself fails). Every step runs once."""
     c = tiny_config(tmp_path, rl={"steps": 8}, async_={"max_off_policy_steps": 0})  # every batch on-policy
     c.stages = ["rl"]
-    real_sync = RolloutFleet.sync
+    real_sync, real_broadcast = RolloutFleet.sync, RolloutFleet._broadcast
     lost_in_sync: list[int] = []
+    killed_mid_sync: list[int] = []
+
+    def broadcast_losing_an_engine(self: RolloutFleet, version: int) -> tuple:
+        if self.loops and version == 5 and not killed_mid_sync:
+            killed_mid_sync.append(version)
+            kill_engine_mid_broadcast(self)
+        return real_broadcast(self, version)
 
     def sync_losing_an_actor(self: RolloutFleet, version: int) -> dict:
         if not (self.loops and version == 6 and not lost_in_sync):
@@ -49,6 +80,7 @@ def test_killed_rollout_actors_are_replaced(ray_cluster, tmp_path, monkeypatch) 
             del self._ended
 
     monkeypatch.setattr(RolloutFleet, "sync", sync_losing_an_actor)
+    monkeypatch.setattr(RolloutFleet, "_broadcast", broadcast_losing_an_engine)
     out: dict = {}
     thread = threading.Thread(target=lambda: out.update(summary=run(c)), daemon=True)
     thread.start()
@@ -61,10 +93,10 @@ def test_killed_rollout_actors_are_replaced(ray_cluster, tmp_path, monkeypatch) 
     assert not thread.is_alive() and "summary" in out
 
     rl = rl_records(c.run.dir)
-    assert lost_in_sync == [6]
+    assert lost_in_sync == [6] and killed_mid_sync == [5]
     assert [r["step"] for r in rl] == list(range(8))
     restarts = [r["rollout_restarts"] for r in rl]  # logged before each step's sync
-    assert restarts[:3] == [0, 0, 0] and restarts[3] in (0, 1) and restarts[4:] == [1, 1, 2, 2]
+    assert restarts[:3] == [0, 0, 0] and restarts[3] in (0, 1) and restarts[4:] == [1, 2, 3, 3]
     # On-policy, inference and trainer logprobs agree to float error only when the engine has
     # exactly the trainer's weights: so do the replacements', from their first batch on.
     assert all(r["lag_max"] == 0 for r in rl)

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import ray
 
-from rlray.controller import run
+from rlray.orchestration.controller import run
 from tests.ray.conftest import BASE, tiny_config
 
 STEPS = 8

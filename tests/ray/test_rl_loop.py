@@ -7,8 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from rlray.algo.presets import PRESETS
-from rlray.controller import run
+from rlray.orchestration.controller import run
 from tests.ray.conftest import tiny_config
 
 
@@ -30,7 +29,7 @@ def test_rl_steps_run_with_bounded_staleness(ray_cluster, tmp_path, capsys, k: i
     one of the paper presets that tests/ray/test_losses_e2e leaves to it (Dr.GRPO's constant
     normaliser; DAPO's token mean and zero-advantage filter); one trainer rank is tested there."""
     c = tiny_config(tmp_path, async_={"max_off_policy_steps": k}, rl={"steps": 6},
-                    trainer={"num_ranks": ranks, "cp": cp}, algo=PRESETS[loss],
+                    trainer={"num_ranks": ranks, "cp": cp}, algo={"loss": loss},
                     rollout={"tensor_parallel_size": tp, "cpus_per_actor": tp},
                     weights={"delta": k == 0, "full_every": 3})
     assert c.algo.loss == loss

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import ray
 
-from rlray.controller import Controller
 from rlray.data.tokenizer import encode_prompt
+from rlray.orchestration.controller import Controller
 from tests.ray.conftest import tiny_config
 
 

@@ -7,9 +7,9 @@ import asyncio
 import numpy as np
 import pytest
 
+from rlray.actors.buffer import BufferActor
 from rlray.algo.advantages import compute_advantages, group_advantages, overlong_penalty, trains_on
-from rlray.buffer import BufferActor
-from rlray.config import AlgoConfig
+from rlray.algo.loss import algo_config
 from rlray.types import Group, Rollout
 
 
@@ -41,19 +41,19 @@ def test_soft_overlong_penalty_by_hand() -> None:
 
 def test_overlong_penalty_shapes_rewards_before_advantages() -> None:
     g = Group([rollout(1.0, n=4), rollout(1.0, n=8)])
-    cfg = AlgoConfig(std_normalize=False, max_tokens=10, overlong_buffer=4)
+    cfg = algo_config(std_normalize=False, max_tokens=10, overlong_buffer=4)
     np.testing.assert_allclose(compute_advantages(g, cfg), [0.25, -0.25])  # shaped rewards 1, 0.5
-    np.testing.assert_allclose(compute_advantages(g, AlgoConfig(std_normalize=False)), [0, 0])
+    np.testing.assert_allclose(compute_advantages(g, algo_config(std_normalize=False)), [0, 0])
 
 
 def test_overlong_filter_masks_truncated_completions() -> None:
     cut, done = rollout(1.0, finish="length"), rollout(1.0)
-    assert trains_on(cut, AlgoConfig(overlong_filter=True)) == 0.0
-    assert trains_on(done, AlgoConfig(overlong_filter=True)) == 1.0
-    assert trains_on(cut, AlgoConfig()) == 1.0
+    assert trains_on(cut, algo_config(overlong_filter=True)) == 0.0
+    assert trains_on(done, algo_config(overlong_filter=True)) == 1.0
+    assert trains_on(cut, algo_config()) == 1.0
 
     async def go() -> None:
-        buf = BufferActor(AlgoConfig(overlong_filter=True), groups_per_step=1, max_off_policy_steps=0,
+        buf = BufferActor(algo_config(overlong_filter=True), groups_per_step=1, max_off_policy_steps=0,
                           num_ranks=1, micro_batch_tokens=4096, pad_id=0)
         await buf.put([Group([rollout(1.0, n=3, finish="length"), rollout(0.0, n=2)])])
         mbs = await buf.get_batch(0)  # one rank: its own micro-batches
@@ -66,7 +66,7 @@ def test_overlong_filter_masks_truncated_completions() -> None:
 def test_dynamic_sampling_keeps_sampling_until_the_batch_is_full() -> None:
     """DAPO: all-equal groups are dropped, their tickets return, and get_batch waits for G useful groups."""
     async def go() -> None:
-        buf = BufferActor(AlgoConfig(filter_zero_advantage=True), groups_per_step=2, max_off_policy_steps=0,
+        buf = BufferActor(algo_config(filter_zero_advantage=True), groups_per_step=2, max_off_policy_steps=0,
                           num_ranks=1, micro_batch_tokens=4096, pad_id=0)
         assert await buf.reserve(0, 10) == [0, 1]
         task = asyncio.create_task(buf.get_batch(0))
@@ -87,7 +87,7 @@ def test_dynamic_sampling_keeps_sampling_until_the_batch_is_full() -> None:
 
 def test_dynamic_sampling_looks_at_raw_rewards_not_shaped_ones() -> None:
     async def go() -> None:
-        cfg = AlgoConfig(filter_zero_advantage=True, max_tokens=10, overlong_buffer=4)
+        cfg = algo_config(filter_zero_advantage=True, max_tokens=10, overlong_buffer=4)
         buf = BufferActor(cfg, groups_per_step=1, max_off_policy_steps=0, num_ranks=1,
                           micro_batch_tokens=4096, pad_id=0)
         await buf.put([Group([rollout(1.0, n=4), rollout(1.0, n=9)])])  # all correct: dropped

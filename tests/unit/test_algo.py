@@ -9,8 +9,7 @@ import pytest
 import torch
 
 from rlray.algo.advantages import group_advantages
-from rlray.algo.loss import get_loss, mismatch_kl
-from rlray.config import AlgoConfig
+from rlray.algo.loss import algo_config, get_loss, mismatch_kl
 
 
 def test_group_advantages_by_hand() -> None:
@@ -33,7 +32,7 @@ def _inputs() -> tuple[torch.Tensor, ...]:
 
 def test_grpo_clip_by_hand() -> None:
     lt, li, adv, mask = _inputs()
-    loss, stats = get_loss("grpo")(lt, li, adv, mask, AlgoConfig(ratio_correction="clip", aggregation="token"))
+    loss, stats = get_loss("grpo")(lt, li, adv, mask, algo_config(ratio_correction="clip", aggregation="token"))
     # token 0: -min(1.5*1, 1.2*1) = -1.2 ; token 1: -min(1*-2, 1*-2) = 2
     assert float(loss.detach()) == pytest.approx(-1.2 + 2.0, abs=1e-6)
     assert float(stats["ratio_outside"]) == 1.0
@@ -44,7 +43,7 @@ def test_grpo_clip_by_hand() -> None:
 
 def test_grpo_mask_by_hand() -> None:
     lt, li, adv, mask = _inputs()
-    loss, _ = get_loss("grpo")(lt, li, adv, mask, AlgoConfig(ratio_correction="mask", aggregation="token"))
+    loss, _ = get_loss("grpo")(lt, li, adv, mask, algo_config(ratio_correction="mask", aggregation="token"))
     assert float(loss.detach()) == pytest.approx(2.0, abs=1e-6)  # token 0 masked (ratio 1.5 > 1.2)
     loss.backward()
     assert lt.grad[0, 0] == 0 and lt.grad[0, 1] == pytest.approx(2.0)
@@ -52,7 +51,7 @@ def test_grpo_mask_by_hand() -> None:
 
 def test_positive_advantage_gradient_raises_its_probability() -> None:
     lt = torch.zeros(1, 1, requires_grad=True)
-    loss, _ = get_loss("grpo")(lt, torch.zeros(1, 1), torch.ones(1, 1), torch.ones(1, 1), AlgoConfig())
+    loss, _ = get_loss("grpo")(lt, torch.zeros(1, 1), torch.ones(1, 1), torch.ones(1, 1), algo_config())
     loss.backward()
     assert lt.grad.item() < 0  # descent increases logp
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import pytest
 
+from rlray.actors.server import PLAIN_CHAT_TEMPLATE
 from rlray.data.tokenizer import char_tokenizer
 from rlray.envs.bridge import BridgeError, TurnBridge
-from rlray.server import PLAIN_CHAT_TEMPLATE
 
 TOK = char_tokenizer()
 EOS = TOK.eos_token_id

@@ -7,8 +7,8 @@ import asyncio
 import numpy as np
 import pytest
 
-from rlray.buffer import BufferActor
-from rlray.config import AlgoConfig
+from rlray.actors.buffer import BufferActor
+from rlray.algo.loss import algo_config
 from rlray.types import Group, Rollout
 
 
@@ -43,7 +43,7 @@ def test_failed_rollouts_stay_out_of_the_group_baseline() -> None:
 
 
 def make(k: int = 1, ranks: int = 2, G: int = 2, **algo) -> BufferActor:
-    return BufferActor(AlgoConfig(**algo), groups_per_step=G, max_off_policy_steps=k, num_ranks=ranks,
+    return BufferActor(algo_config(**algo), groups_per_step=G, max_off_policy_steps=k, num_ranks=ranks,
                        micro_batch_tokens=4096, pad_id=0)
 
 
@@ -200,7 +200,7 @@ def test_token_lags_reach_the_trainer_and_split_the_mismatch() -> None:
 
     import torch
 
-    from rlray.trainer import TrainerActor
+    from rlray.actors.learner import Learner
 
     async def go() -> list:
         buf = make(k=1, ranks=1, G=2)
@@ -214,7 +214,7 @@ def test_token_lags_reach_the_trainer_and_split_the_mismatch() -> None:
     mu = torch.zeros(1, 4)
     logp = torch.tensor([[0.1, 0.1, 0.5, 0.5]])
     sums: dict = {}
-    TrainerActor._split_mismatch(sums, logp, mu, t)
+    Learner._split_mismatch(sums, logp, mu, t)
     def k3(d: float) -> float:
         return math.exp(d) - d - 1
     assert sums["_mismatch_kl"] == pytest.approx(2 * k3(0.1)) and sums["_mismatch_kl_tokens"] == 2

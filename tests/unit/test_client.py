@@ -7,10 +7,10 @@ from typing import Any
 
 import pytest
 
+from rlray.actors.server import PLAIN_CHAT_TEMPLATE
 from rlray.data.tokenizer import char_tokenizer
 from rlray.envs.bridge import TurnBridge
 from rlray.envs.client import TURN_SEED_STRIDE, make_clients
-from rlray.server import PLAIN_CHAT_TEMPLATE
 
 TOK = char_tokenizer()
 EOS, BOS = TOK.eos_token_id, TOK.bos_token_id

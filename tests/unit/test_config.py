@@ -12,8 +12,8 @@ from rlray.config import Config, ConfigError, to_config, validate
 
 def launch(*overrides: str, cwd: str = "/") -> subprocess.CompletedProcess:
     """Run the real entry point with a controller that must never be reached."""
-    code = ("import sys, types; c = types.ModuleType('rlray.controller'); "
-            "c.run = lambda cfg: sys.exit('controller reached'); sys.modules['rlray.controller'] = c; "
+    code = ("import sys, types; c = types.ModuleType('rlray.orchestration.controller'); "
+            "c.run = lambda cfg: sys.exit('controller reached'); sys.modules['rlray.orchestration.controller'] = c; "
             "from rlray.launch import main; sys.argv = ['launch', *sys.argv[1:]]; main()")
     return subprocess.run([sys.executable, "-c", code, *overrides], capture_output=True, text=True, cwd=cwd,
                           timeout=120)
@@ -27,8 +27,13 @@ BAD = [
     (["trainer.lr=abc"], "trainer.lr"),
     (["rl.batch_size=100"], "rl.batch_size"),
     (["trainer.num_ranks=9"], "cluster.num_cpus"),
-    (["trainer.gpus_per_rank=1"], "torch sees 0"),
+    (["trainer.gpus_per_rank=1", "rollout.gpus_per_actor=1"], "needs 3 GPUs (trainer 2 x 1, rollout 1 x 1) but"),
     (["cluster.num_gpus=4"], "cluster.num_gpus=4"),
+    (["trainer.gpus_per_rank=0.5"], "config error: trainer.gpus_per_rank=0.5: each trainer rank needs a GPU"),
+    (["cluster.backend=gloo", "trainer.gpus_per_rank=1"], "config error: cluster.backend=gloo but trainer.gpus_per_rank=1"),
+    (["cluster.backend=nccl"], "config error: cluster.backend=nccl but trainer.gpus_per_rank=0"),
+    (["trainer.gpus_per_rank=1"], "config error: trainer.gpus_per_rank=1 but rollout.gpus_per_actor=0"),
+    (["weights.sync_timeout_s=0"], "weights.sync_timeout_s=0 must be > 0"),
     (["rollout.tensor_parallel_size=2"], "rollout.tensor_parallel_size=2 needs 2 CPUs in the actor's bundle"),
     (["rollout.cpus_per_actor=2", "rollout.data_parallel_size=2", "rollout.tensor_parallel_size=2"],
      "rollout.tensor_parallel_size=2 x data_parallel_size=2 needs 4 CPUs in the actor's bundle"),
@@ -37,7 +42,8 @@ BAD = [
     (["rollout.quantization=fp8"], "rollout.quantization=fp8 needs GPU engines"),
     (["rollout.quantization=int3"], "rollout.quantization='int3'"),
     (["env.python_path=[/no/such/folder]"], "env.python_path: ['/no/such/folder'] is not a folder"),
-    (["weights.delta=true", "cluster.backend=nccl"], "weights.delta=true runs on the gloo weight path"),
+    (["weights.delta=true", "trainer.gpus_per_rank=1", "rollout.gpus_per_actor=1"],
+     "weights.delta=true runs on the gloo weight path"),
     (["trainer.ep=3"], "trainer.ep=3"),
     (["+twin=gpu"], "twin/gpu"),
     (["algo.loss=nope"], "algo.loss"),
@@ -51,8 +57,8 @@ BAD = [
 ]
 MANY = """
 import contextlib, io, json, sys, types
-c = types.ModuleType('rlray.controller'); c.run = lambda cfg: sys.exit('controller reached')
-sys.modules['rlray.controller'] = c
+c = types.ModuleType('rlray.orchestration.controller'); c.run = lambda cfg: sys.exit('controller reached')
+sys.modules['rlray.orchestration.controller'] = c
 from hydra.core.global_hydra import GlobalHydra
 from rlray.launch import main
 out = []

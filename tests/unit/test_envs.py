@@ -43,7 +43,7 @@ def test_builtin_envs_load_by_id_with_disjoint_splits(env_id: str) -> None:
 
 
 def test_reverse_text_matches_the_plain_task() -> None:
-    from rlray.envs.reverse_text import ReverseText
+    from rlray.envs.builtin.reverse_text import ReverseText
 
     env, plain = load_env("reverse_text", {"num_train": 10, "num_eval": 10}), ReverseText()
     for i in range(10):
@@ -59,6 +59,22 @@ def test_unknown_env_id_names_the_fix() -> None:
 def test_args_an_env_does_not_take_name_them() -> None:
     with pytest.raises(ValueError, match=r"env 'reverse_text' does not take env.args=\{'turns': 3, 'max_turns': 16\}"):
         load_env("reverse_text", {"turns": 3, "max_turns": 16})
+
+
+def test_an_envs_own_argument_error_is_one_line_naming_it() -> None:
+    with pytest.raises(ValueError) as caught:
+        load_env("arithmetic", {"ops": "/"})
+    assert str(caught.value) == "env 'arithmetic' refused env.args={'ops': '/'}: arithmetic: ops may hold + - * only, got ['/']"
+
+
+@pytest.mark.parametrize("env_id", BUILTIN)
+def test_builtin_prompts_use_only_characters_the_tiny_tokenizer_knows(env_id: str, tok) -> None:
+    """A character outside rlray.data.tokenizer.CHARS would become <unk> for the tiny models, silently."""
+    env = load_env(env_id, {"num_train": 64, "num_eval": 64})
+    known = set(tok.get_vocab())
+    prompts = {env.example(split, i).prompt for split in ("train", "eval") for i in range(64)}
+    unknown = {c for p in prompts for c in p} - known
+    assert not unknown, f"{env_id}: prompts use {sorted(unknown)}, which the tiny tokenizer does not know"
 
 
 def test_env_module_from_a_folder_on_python_path(tmp_path) -> None:
@@ -79,8 +95,8 @@ def test_env_modules_ship_with_the_runtime_env(tmp_path, monkeypatch) -> None:
     import sys
 
     import rlray
-    from rlray.cluster import SHIPPED, code_env
     from rlray.envs import add_python_path
+    from rlray.orchestration.cluster import SHIPPED, code_env
 
     (tmp_path / "one_env.py").write_text("")
     (tmp_path / "pkg_env").mkdir()
@@ -91,6 +107,8 @@ def test_env_modules_ship_with_the_runtime_env(tmp_path, monkeypatch) -> None:
     assert env["py_modules"] == [str(Path(rlray.__file__).parent), str(tmp_path / "one_env.py"),
                                  str(tmp_path / "pkg_env")]
     assert env["env_vars"][SHIPPED] == str(tmp_path)
+    assert env["excludes"] == ["/bench/"] and "excludes" not in code_env(benchmarks=True)  # a run's code, not the benches'
+
     monkeypatch.setattr(sys, "path", list(sys.path))
     monkeypatch.setenv(SHIPPED, str(tmp_path))
     add_python_path([str(tmp_path)])
@@ -142,7 +160,7 @@ def test_pass_at_k_by_hand() -> None:
 def fake_runner(tok, **cfg) -> EnvRunner:
     cfg = SimpleNamespace(**{"tool_timeout_s": 1.0, "rollout_timeout_s": 5.0, "fast_path": True, **cfg})
     env = load_env("reverse_text", {"num_train": 4, "num_eval": 4})
-    from rlray.server import PLAIN_CHAT_TEMPLATE
+    from rlray.actors.server import PLAIN_CHAT_TEMPLATE
 
     return EnvRunner([(env, 1.0)], engine=None, tokenizer=tok, clients=[None], cfg=cfg, version=lambda: 0,
                      chat_template=PLAIN_CHAT_TEMPLATE)
@@ -265,8 +283,8 @@ def test_hanging_sync_tool_times_out_without_blocking_the_loop() -> None:
 # ---- tool-call syntax and the plain chat template ---------------------------------------------
 def test_plain_template_round_trips_tool_calls(tok) -> None:
     pytest.importorskip("vllm")
+    from rlray.actors.server import PLAIN_CHAT_TEMPLATE
     from rlray.envs.tool_parser import parse_call
-    from rlray.server import PLAIN_CHAT_TEMPLATE
 
     tools = [{"type": "function", "function": {"name": "calc", "parameters": {
         "type": "object", "properties": {"expression": {"type": "string"}}}}}]
@@ -301,10 +319,10 @@ def test_biasing_sampling_args_are_named_and_rejected_at_load() -> None:
 
 
 def test_sft_prompts_use_the_chat_template_and_draw_from_the_mix(tok) -> None:
+    from rlray.actors.server import PLAIN_CHAT_TEMPLATE
     from rlray.config import EnvSpec
     from rlray.data.tokenizer import encode_prompt
     from rlray.envs.sft import SFTData
-    from rlray.server import PLAIN_CHAT_TEMPLATE
 
     envs = load_envs(EnvConfig(mix=[EnvSpec("reverse_text", {"num_train": 40}, 3.0),
                                     EnvSpec("arithmetic", {"num_train": 40}, 1.0)]))
@@ -328,7 +346,7 @@ def test_sft_prompts_use_the_chat_template_and_draw_from_the_mix(tok) -> None:
 
 # ---- guess_number and the end of a truncated turn -----------------------------------------------
 def test_guess_number_replies_and_rewards_by_hand() -> None:
-    from rlray.envs.guess_number import guess_of, reply
+    from rlray.envs.builtin.guess_number import guess_of, reply
 
     env = load_env("guess_number", {"low": 1, "high": 8, "max_turns": 4, "num_train": 16, "num_eval": 16})
     assert env.row("train", 0)["prompt"] == [{"role": "user", "content": "guess:1-8="}]
@@ -345,7 +363,7 @@ def test_guess_number_replies_and_rewards_by_hand() -> None:
     assert found(game[:1], "4") == 1.0
     assert consistent(game, "6") == 2 / 3  # 4, then nothing, then 6 inside 5-8
     assert consistent(game, "3") == 1 / 3  # after "lower" for 4, 6 is outside 1-3
-    from rlray.envs.guess_number import consistency
+    from rlray.envs.builtin.guess_number import consistency
     assert consistency([4, 6, 5], 5, 1, 8) == 1.0 and consistency([9], 5, 1, 8) == 0.0
 
 
@@ -366,7 +384,7 @@ def test_a_truncated_turn_ends_the_rollout() -> None:
 def test_reverse_text_in_turns_sends_the_next_word_and_averages_the_answers() -> None:
     import verifiers as vf
 
-    from rlray.envs.reverse_text import chain_lcs
+    from rlray.envs.builtin.reverse_text import chain_lcs
 
     env = load_env("reverse_text", {"turns": 3, "num_train": 8, "num_eval": 4})
     assert isinstance(env.vf, vf.MultiTurnEnv) and not env.fast_path_ok and env.vf.max_turns == 3
@@ -380,3 +398,21 @@ def test_reverse_text_in_turns_sends_the_next_word_and_averages_the_answers() ->
     game = [{"role": "assistant", "content": words[0][::-1]}, {"role": "user", "content": "rev:...="},
             {"role": "assistant", "content": words[1][::-1]}]
     assert chain_lcs(game, row["info"]) == 2 / 3  # the third answer was never given
+
+
+def test_a_groups_rollouts_share_their_prompts_routing() -> None:
+    """Prompt positions a rollout found in the prefix cache (no routing) take a sibling's; others stay."""
+    from rlray.envs.runner import share_prompt_routing
+    from rlray.types import Rollout
+
+    def rollout(prompt: list[int], routing: list[int]) -> Rollout:
+        r = np.asarray(routing, np.uint8)[:, None, None].repeat(2, 2)
+        ids = np.asarray(prompt)
+        return Rollout(ids, np.ones(len(r) - len(ids), np.int64), np.zeros(1, np.float32), np.ones(1, np.int8),
+                       np.zeros(1, np.int64), routing=r)
+
+    computed, hit, other = rollout([1, 2, 3], [0, 1, 2, 3]), rollout([1, 2, 3], [255, 255, 3, 255]), \
+        rollout([1, 2, 4], [255, 255, 255, 255])
+    share_prompt_routing([computed, hit, other])
+    assert hit.routing[:, 0, 0].tolist() == [0, 1, 3, 255]  # the prompt from its sibling; its own completion kept
+    assert other.routing[:, 0, 0].tolist() == [255] * 4  # another prompt: nothing to share

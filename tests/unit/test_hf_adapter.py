@@ -1,5 +1,5 @@
 """Pins every transformers and vLLM internal that rlray's adapters use (rlray.parallel.hf and the
-CPU MoE repack in rlray.weights), so an upgrade that moves one fails here, by name."""
+CPU MoE repack in rlray.weightsync.transport), so an upgrade that moves one fails here, by name."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ def test_fused_experts_layout_and_router_signature(arch: str) -> None:
     cfg = ModelConfig(arch=arch, num_layers=2, hidden_size=64, num_heads=2, num_kv_heads=1,
                       moe_intermediate_size=32, num_experts=4)
     tok = char_tokenizer()
-    model = AutoModelForCausalLM.from_config(tiny.hf_config(cfg, len(tok), tok))
+    model = AutoModelForCausalLM.from_config(tiny.tiny_architecture(cfg, len(tok), tok))
     (name, experts), *_ = moe_experts(model)
     assert name.endswith("mlp.experts") and experts.num_experts == 4
     assert tuple(experts.gate_up_proj.shape) == (4, 64, 64) and tuple(experts.down_proj.shape) == (4, 64, 32)
@@ -60,7 +60,7 @@ def test_attention_interface_and_sdpa_pieces() -> None:
 
     register_attention("rlray_test_spy", spy)
     tok = char_tokenizer()
-    cfg = tiny.hf_config(ModelConfig(num_layers=1, hidden_size=32, num_heads=2, num_kv_heads=1), len(tok), tok)
+    cfg = tiny.tiny_architecture(ModelConfig(num_layers=1, hidden_size=32, num_heads=2, num_kv_heads=1), len(tok), tok)
     model = AutoModelForCausalLM.from_config(cfg, attn_implementation="rlray_test_spy")
     ids = torch.randint(4, len(tok), (1, 6))
     ours = model(input_ids=ids, position_ids=torch.arange(6)[None], use_cache=False).logits
@@ -74,7 +74,8 @@ def test_attention_interface_and_sdpa_pieces() -> None:
 
 
 def test_attention_choice(monkeypatch) -> None:
-    """Packed attention on CPU; flash-attn's varlen kernels on GPU when installed; cp's own under cp."""
+    """Packed attention on CPU; flash-attn's varlen kernels on GPU when installed and the compute is
+    16-bit (flash-attn refuses float32); cp's own under cp."""
     import importlib.util
 
     from rlray.models.attention import PACKED
@@ -88,4 +89,6 @@ def test_attention_choice(monkeypatch) -> None:
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None if name == "flash_attn" else real(name))
     assert attention_for(gpu, ParallelDims(2)) == PACKED
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: object() if name == "flash_attn" else real(name))
-    assert attention_for(gpu, ParallelDims(2)) == "flash_attention_2"
+    assert attention_for(gpu, ParallelDims(2), "bfloat16") == attention_for(gpu, ParallelDims(2), "float16") \
+        == "flash_attention_2"
+    assert attention_for(gpu, ParallelDims(2), "float32") == attention_for(cpu, ParallelDims(2), "bfloat16") == PACKED

@@ -15,8 +15,17 @@ import numpy as np
 import pytest
 import torch
 
-from rlray.algo.loss import LOSSES, check_algo, get_loss, k3_kl, loss_normalizer
-from rlray.algo.presets import CORRECTION_PRESETS, PRESETS
+from rlray.algo.correction import PRESETS as CORRECTIONS
+from rlray.algo.loss import (
+    LOSSES,
+    PRESET_KEYS,
+    algo_config,
+    get_loss,
+    k3_kl,
+    loss_normalizer,
+    preset_line,
+    resolve,
+)
 from rlray.config import AlgoConfig
 from rlray.types import MicroBatch
 
@@ -33,7 +42,7 @@ def inputs(ratios=RATIOS) -> tuple[torch.Tensor, ...]:
 
 def run(name: str, **algo) -> tuple[float, dict[str, float], np.ndarray]:
     lt, li, adv, mask = inputs()
-    loss, stats = get_loss(name)(lt, li, adv, mask, AlgoConfig(loss=name, **algo))
+    loss, stats = get_loss(name)(lt, li, adv, mask, algo_config(loss=name, **algo))
     loss.backward()
     return float(loss.detach()), {k: float(v) for k, v in stats.items()}, lt.grad.numpy()
 
@@ -59,7 +68,7 @@ def test_dapo_clip_higher() -> None:
 
 
 def test_dr_grpo_sums_tokens_for_a_constant_normaliser() -> None:
-    loss, _, grad = run("dr_grpo")
+    loss, _, grad = run("dr_grpo", max_tokens=4)  # L_max enters the normaliser, not the sum
     assert loss == pytest.approx(3.7, abs=1e-5)
     np.testing.assert_allclose(grad, [[0, -0.9, 0], [2.0, 0, 2.2]], atol=1e-6)
 
@@ -67,13 +76,13 @@ def test_dr_grpo_sums_tokens_for_a_constant_normaliser() -> None:
 def test_loss_normalizer_per_aggregation() -> None:
     z = np.zeros((1, 1))
     mb = MicroBatch(z, z, z, z, z, num_loss_tokens_global=5.0, num_sequences_global=2.0)
-    assert loss_normalizer(AlgoConfig(loss="dapo"), mb) == 5.0
-    assert loss_normalizer(AlgoConfig(loss="grpo"), mb) == 2.0
-    assert loss_normalizer(AlgoConfig(loss="gspo"), mb) == 2.0
-    assert loss_normalizer(AlgoConfig(loss="dr_grpo", max_tokens=4), mb) == 8.0
-    assert loss_normalizer(AlgoConfig(loss="grpo", aggregation="token"), mb) == 5.0
+    assert loss_normalizer(algo_config(loss="dapo"), mb) == 5.0
+    assert loss_normalizer(algo_config(loss="grpo"), mb) == 2.0
+    assert loss_normalizer(algo_config(loss="gspo"), mb) == 2.0
+    assert loss_normalizer(algo_config(loss="dr_grpo", max_tokens=4), mb) == 8.0
+    assert loss_normalizer(algo_config(loss="grpo", aggregation="token"), mb) == 5.0
     with pytest.raises(ValueError, match="algo.max_tokens"):
-        loss_normalizer(AlgoConfig(loss="dr_grpo"), mb)  # not composed by Hydra: no rollout.max_tokens
+        loss_normalizer(algo_config(loss="dr_grpo"), mb)  # not composed by Hydra: no rollout.max_tokens to read
 
 
 def test_gspo_sequence_ratio() -> None:
@@ -111,19 +120,19 @@ def test_dppo_tv_caps_the_ratio_of_a_rare_token() -> None:
     lt = torch.log(torch.tensor([[0.1, 0.5]])).requires_grad_()
     li = torch.log(torch.tensor([[0.001, 0.5]]))
     for cap, kept in ((0.0, [100.0, 1.0]), (10.0, [0.0, 1.0])):  # the preset caps at 10
-        cfg = AlgoConfig(loss="dppo_tv", mismatch_kl_coef=0.0, ratio_cap=cap)
+        cfg = algo_config(loss="dppo_tv", mismatch_kl_coef=0.0, ratio_cap=cap)
         lt.grad = None
         loss, stats = get_loss("dppo_tv")(lt, li, torch.ones(1, 2), torch.ones(1, 2), cfg)
         loss.backward()
         np.testing.assert_allclose(lt.grad.numpy(), [[-k for k in kept]], rtol=1e-4)  # a sum: -r A
         assert stats["ratio_outside"] == (cap > 0)
-    assert AlgoConfig(loss="dppo_tv").ratio_cap == 10.0
+    assert algo_config(loss="dppo_tv").ratio_cap == 10.0
 
 
 def test_mismatch_kl_penalty_by_hand() -> None:
     lt = torch.log(torch.tensor([[0.75]])).requires_grad_()
     li = torch.log(torch.tensor([[0.5]]))
-    cfg = AlgoConfig(loss="dppo_tv", mismatch_kl_coef=0.5)
+    cfg = algo_config(loss="dppo_tv", mismatch_kl_coef=0.5)
     loss, _ = get_loss("dppo_tv")(lt, li, torch.zeros(1, 1), torch.ones(1, 1), cfg)
     loss.backward()
     assert float(loss.detach()) == pytest.approx(0.5 * math.log(1.5) ** 2, rel=1e-5)
@@ -134,7 +143,7 @@ def test_reference_kl_k3_by_hand() -> None:
     lt = torch.log(torch.tensor([[0.5]])).requires_grad_()
     ref = torch.log(torch.tensor([[0.25]]))
     assert float(k3_kl(lt.detach(), ref)) == pytest.approx(0.5 + math.log(2) - 1, rel=1e-5)
-    cfg = AlgoConfig(kl_coef=0.1, aggregation="token")
+    cfg = algo_config(kl_coef=0.1, aggregation="token")
     loss, stats = get_loss("grpo")(lt, lt.detach(), torch.zeros(1, 1), torch.ones(1, 1), cfg, logp_ref=ref)
     loss.backward()
     assert float(loss.detach()) == pytest.approx(0.1 * (0.5 + math.log(2) - 1), rel=1e-5)
@@ -179,8 +188,7 @@ def test_sequence_and_geometric_correction_levels() -> None:
 @pytest.mark.parametrize("name", sorted(LOSSES))
 @pytest.mark.parametrize("correction", ["none", "tis", "mis"])
 def test_every_preset_pushes_probability_with_the_advantage(name: str, correction: str) -> None:
-    cfg = AlgoConfig(**{**PRESETS[name], **CORRECTION_PRESETS[correction], "max_tokens": 8})
-    check_algo(cfg)
+    cfg = algo_config(loss=name, **CORRECTIONS[correction], max_tokens=8)
     for sign in (1.0, -1.0):
         lt = torch.full((1, 2), -1.0, requires_grad=True)
         loss, stats = get_loss(name)(lt, lt.detach() - 1e-5, torch.full((1, 2), sign), torch.ones(1, 2), cfg)
@@ -189,11 +197,12 @@ def test_every_preset_pushes_probability_with_the_advantage(name: str, correctio
         assert "mismatch_kl" in stats and "ratio_outside" in stats
 
 
-def test_presets_cover_every_loss_and_are_valid_config() -> None:
-    assert set(PRESETS) == set(LOSSES)
-    for name, overrides in PRESETS.items():
-        assert overrides["loss"] == name
-        check_algo(AlgoConfig(**{**overrides, "max_tokens": 64}))
+def test_every_registered_preset_is_valid_config() -> None:
+    for name, entry in LOSSES.items():
+        assert set(entry.preset) == set(PRESET_KEYS) and entry.paper
+        cfg = algo_config(loss=name, max_tokens=64)
+        assert cfg.from_preset == list(PRESET_KEYS)
+        assert {k: getattr(cfg, k) for k in PRESET_KEYS} == entry.preset
 
 
 @pytest.mark.parametrize("overrides, key", [
@@ -206,9 +215,9 @@ def test_presets_cover_every_loss_and_are_valid_config() -> None:
     ({"overlong_buffer": 16, "max_tokens": 16}, "algo.overlong_buffer"),
     ({"loss": "dr_grpo"}, "algo.max_tokens"),
 ])
-def test_check_algo_names_the_key(overrides: dict, key: str) -> None:
+def test_resolve_names_the_key(overrides: dict, key: str) -> None:
     with pytest.raises(ValueError, match=key):
-        check_algo(AlgoConfig(**overrides))
+        algo_config(**overrides)
 
 
 def composed(*overrides: str) -> AlgoConfig:
@@ -220,13 +229,13 @@ def composed(*overrides: str) -> AlgoConfig:
 
     register()
     with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
-        return to_config(compose("config", overrides=list(overrides))).algo
+        return resolve(to_config(compose("config", overrides=list(overrides))).algo)  # as launch does
 
 
 @pytest.mark.parametrize("name", sorted(LOSSES))
 def test_the_shipped_config_applies_each_papers_preset(name: str) -> None:
     algo = composed(f"algo.loss={name}")
-    assert {k: getattr(algo, k) for k in PRESETS[name]} == PRESETS[name]
+    assert {k: getattr(algo, k) for k in PRESET_KEYS} == LOSSES[name].preset
 
 
 def test_dr_grpo_under_the_shipped_config_is_sum_over_G_times_L_max() -> None:
@@ -250,6 +259,19 @@ def test_explicit_keys_win_over_the_preset() -> None:
     algo = composed("algo.loss=dr_grpo", "algo.aggregation=token", "rollout.max_tokens=4")
     assert (algo.aggregation, algo.std_normalize) == ("token", False)
     assert "aggregation" not in algo.from_preset and "std_normalize" in algo.from_preset
-    assert "set explicitly: aggregation=token" in algo.preset_line()
+    assert "set explicitly: aggregation=token" in preset_line(algo)
     assert composed("+recipe=glm_moe").aggregation == "token"  # the recipe sets it
     assert composed("algo.loss=gspo", "+recipe=glm_moe").eps_high == 4e-4
+
+
+def test_the_readme_table_is_the_registry() -> None:
+    """The README's table of losses is generated from the registry: a new loss appears there, or this fails."""
+    from pathlib import Path
+
+    from rlray.algo.loss import preset_table
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    block = readme.split("<!-- losses: generated from rlray.algo.loss.LOSSES -->\n", 1)[1]
+    assert block.split("\n<!-- end of losses -->", 1)[0] == preset_table(), (
+        "README.md's table of losses differs from the registry; paste rlray.algo.loss.preset_table() between "
+        "its markers")

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from rlray.config import Config
-from rlray.plan import GB, make_plan
+from rlray.config import Config, ConfigError, validate
+from rlray.models.catalog import CATALOG, architecture
+from rlray.models.shape import model_shape
+from rlray.orchestration.plan import GB, make_plan
 from tests.unit.test_config import launch
 
 
@@ -54,18 +56,21 @@ def test_a_plan_that_cannot_fit_fails_with_one_line() -> None:
 
 
 def test_the_gpu_recipe_on_this_machine_fails_at_once_naming_the_two_ways_on() -> None:
-    code = ("import sys, types; c = types.ModuleType('rlray.controller'); "
-            "c.run = lambda cfg: sys.exit('controller reached'); sys.modules['rlray.controller'] = c; "
-            "from rlray.launch import main; sys.argv = ['launch', '+recipe=glm_moe']\n"
-            "try:\n    main()\nfinally:\n    print('ray imported' if 'ray' in sys.modules else 'no ray')")
+    """The cheapest checks come first: on a machine without the GPUs a recipe needs, launch refuses
+    it with one line before anything heavy (torch, vLLM, Ray, ...) is imported; no timing asserted."""
     import subprocess
     import sys
 
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert result.returncode == 1 and "no ray" in result.stdout
-    (line,) = result.stderr.strip().splitlines()
-    assert "needs 40 GPUs" in line and "torch sees 0" in line
+    proc = subprocess.run([sys.executable, "-X", "importtime", "-m", "rlray.launch", "+recipe=glm_moe"],
+                          capture_output=True, text=True, cwd="/", timeout=120)
+    assert proc.returncode == 1
+    timed = [line for line in proc.stderr.splitlines() if line.startswith("import time:")]
+    (line,) = [line for line in proc.stderr.splitlines() if not line.startswith("import time:")]
+    assert line.startswith("config error: run 'glm_moe' needs 40 GPUs") and "this machine has 0" in line
     assert "ray job submit" in line and "+recipe=glm_moe +twin=cpu" in line
+    imported = {t.rsplit("|", 1)[-1].strip() for t in timed}
+    assert "rlray.config.resources" in imported  # the check that refused it ran
+    assert not imported & {"torch", "vllm", "transformers", "ray", "verifiers"}, imported
 
 
 def _tiny(**trainer: object) -> Config:
@@ -80,11 +85,11 @@ def test_memory_formulas_on_a_hand_computed_model() -> None:
     from transformers import AutoModelForCausalLM
 
     from rlray.data.tokenizer import char_tokenizer
-    from rlray.models.tiny import hf_config
+    from rlray.models.tiny import tiny_architecture
 
     c = _tiny(num_ranks=4, micro_batch_tokens=100, activation_checkpointing=False)
     tok = char_tokenizer()
-    params = sum(p.numel() for p in AutoModelForCausalLM.from_config(hf_config(c.model, len(tok), tok)).parameters())
+    params = sum(p.numel() for p in AutoModelForCausalLM.from_config(tiny_architecture(c.model, len(tok), tok)).parameters())
     plan = make_plan(c)
     assert plan.shape.params == params
     assert plan.trainer["fp32 weights"] == plan.trainer["fp32 gradients"] == 4 * params / 4
@@ -105,8 +110,49 @@ def test_engine_shapes_that_cannot_serve_are_named() -> None:
     c.rollout.tensor_parallel_size, c.rollout.gpus_per_actor = 3, 2
     problems = make_plan(c).problems()
     assert any("tensor_parallel_size=3 does not divide the model's 4 attention heads" in p for p in problems)
-    assert any("gpus_per_actor=2 but rollout.tensor_parallel_size=3" in p for p in problems)
+    with pytest.raises(ConfigError, match="rollout.gpus_per_actor=2 but rollout.tensor_parallel_size=3 makes 3 workers"):
+        validate(c)  # the GPUs per engine: a config check, before the plan (and before torch)
     c.rollout.tensor_parallel_size, c.rollout.gpus_per_actor = 1, 1
     c.rollout.kv_cache_gb, c.cluster.gpu_memory_gb, c.rollout.kv_cache_fraction = 0, 1, 0.5
     assert any("leaving no KV cache" in p for p in make_plan(c).problems())
     assert make_plan(c).engine["KV cache"] == 0 < GB
+
+
+def published_mismatch(entry, shape) -> list[str]:
+    """What of `shape` disagrees with the figures `entry` quotes, within one unit of their last digit."""
+    out = []
+    embeddings = shape.root_params - shape.dim("hidden_size")  # embedding and head (the final norm is tiny)
+    active = shape.active_params - (0 if entry.active_with_embeddings else embeddings)
+    for what, quoted, counted in (("total", entry.params, shape.params), ("active", entry.active, active)):
+        number = quoted.removesuffix("B")
+        unit = 10.0 ** -len(number.partition(".")[2]) * 1e9
+        if abs(counted - float(number) * 1e9) >= unit:
+            out.append(f"{what}: counted {counted / 1e9:.2f}B, the card says {quoted}")
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(CATALOG))
+def test_every_catalog_entry_has_its_published_size(name: str) -> None:
+    shape = model_shape(architecture(name)[0], name)
+    assert published_mismatch(CATALOG[name], shape) == []
+
+
+@pytest.mark.parametrize("name", sorted(CATALOG))
+@pytest.mark.parametrize("head_dim", [64, 96, 192])
+def test_a_mistyped_head_dim_in_the_catalog_is_caught(name: str, head_dim: int) -> None:
+    from transformers import AutoConfig
+
+    entry = CATALOG[name]
+    wrong = AutoConfig.for_model(entry.model_type, **{**entry.values, "head_dim": head_dim})
+    assert published_mismatch(entry, model_shape(wrong, name))
+
+
+def test_the_plan_carries_routing_per_token_and_refuses_replay_on_a_dense_model() -> None:
+    glm = make_plan(composed("+recipe=glm_moe"))
+    assert glm.shape.moe_layers == 45 and glm.shape.routing_bytes == 45 * 8 * 1  # 46 layers, the first dense
+    assert "routing: 45 MoE layers x top-8 x 1 B = 360 B per token" in glm.render()
+    assert "trainer.router_replay=true" in glm.render() and glm.problems() == []
+    dense = make_plan(composed("trainer.router_replay=true"))
+    assert dense.problems() == [("trainer.router_replay=true but the Qwen3ForCausalLM model has no experts; set "
+                                 "trainer.router_replay=false")]
+    assert "routing:" not in dense.render()

@@ -10,8 +10,8 @@ from types import SimpleNamespace
 
 import pytest
 
+from rlray.actors.rollout import EngineFailed, RolloutActor
 from rlray.config import Config, ConfigError, EnvConfig, ModelConfig, RolloutConfig, validate
-from rlray.rollout import EngineFailed, RolloutActor
 
 
 class FakeEngine:

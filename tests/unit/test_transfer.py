@@ -1,5 +1,5 @@
 """rlray's gloo engine in vLLM's weight-transfer protocol: registration, rank offsets per
-engine, CPU core shares for TP workers, and a pin on every vLLM attribute rlray.transfer uses."""
+engine, CPU core shares for TP workers, and a pin on every vLLM attribute rlray.weightsync.protocol uses."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
+from rlray.actors.rollout import cpu_binding
 from rlray.bench.common import EngineClient, LoopThread
-from rlray.rollout import cpu_binding
 
 vllm = pytest.importorskip("vllm")
 
@@ -22,7 +22,7 @@ def test_gloo_is_registered_in_both_factories_once() -> None:
     )
     from vllm.plugins import load_general_plugins
 
-    from rlray.transfer import GlooTrainerWeightTransferEngine, GlooWeightTransferEngine, register
+    from rlray.weightsync.protocol import GlooTrainerWeightTransferEngine, GlooWeightTransferEngine, register
 
     load_general_plugins()  # what every vLLM process does: the entry point in pyproject.toml
     register()  # a second registration is harmless
@@ -55,7 +55,7 @@ def test_each_engine_gets_ranks_after_the_previous_engines_workers() -> None:
 
 
 def test_rank_offsets() -> None:
-    from rlray.weights import rank_offsets
+    from rlray.weightsync.transport import rank_offsets
 
     assert rank_offsets(1, [2, 1, 4]) == [1, 3, 4]
     assert rank_offsets(1, []) == []
@@ -70,7 +70,7 @@ def test_cpu_binding_gives_each_worker_its_share_of_cores() -> None:
 
 
 def test_vllm_pieces_rlray_transfer_uses() -> None:
-    """Each vLLM attribute rlray.transfer and rlray.engine rely on, as vLLM 0.32 has it."""
+    """Each vLLM attribute rlray.weightsync.protocol and rlray.actors.engine rely on, as vLLM 0.32 has it."""
     from vllm.config import ParallelConfig
     from vllm.distributed.weight_transfer.base import (
         TrainerWeightTransferEngine,
@@ -104,3 +104,45 @@ def test_vllm_pieces_rlray_transfer_uses() -> None:
     assert callable(initialize_layerwise_reload)
     assert callable(CPUUnquantizedExperts.process_weights_after_loading)
     assert "moe_kernel" in inspect.getsource(UnquantizedFusedMoEMethod._setup_kernel)
+
+
+def test_routing_records_merge_first_routing_first() -> None:
+    """A request recomputed after a weight update keeps the routing each position had first; vLLM's
+    internal request ids map back to ours and the completion index; turns overlay earlier-first."""
+    import numpy as np
+
+    from rlray.actors.engine import external_request, merge_routing
+    from rlray.types import no_route, overlay_routing, route_dtype
+
+    u8 = route_dtype(128)
+    assert u8 == np.uint8 and route_dtype(256) == np.uint16 and no_route(u8) == 255
+    rows = lambda v, n: np.full((n, 1, 2), v, u8)
+    merged = merge_routing([(0, rows(1, 3)), (3, rows(2, 1)), (0, rows(7, 5))])  # prefill, decode, recompute
+    assert merged[:, 0, 0].tolist() == [1, 1, 1, 2, 7]
+    assert external_request("rlray-3-0a1b2c3d") == ("rlray-3", 0)
+    assert external_request("2_chatcmpl-x_y-0a1b2c3d") == ("chatcmpl-x_y", 2)
+    earlier = np.concatenate([rows(1, 2), rows(255, 1)])  # a turn's last sampled token had none
+    assert overlay_routing(earlier, rows(4, 5))[:, 0, 0].tolist() == [1, 1, 4, 4, 4]
+    assert overlay_routing(None, rows(4, 2)) is not None and overlay_routing(earlier, None) is earlier
+
+
+def test_gpu_engines_routing_comes_from_vllms_own_output() -> None:
+    """On GPU vLLM captures itself (`enable_return_routed_experts`): the finished completion's
+    `routed_experts` [tokens, all layers, k] keeps the MoE layers only, in rlray's dtype; a dense
+    layer's rows (GLM's first) are dropped, an unfinished output adds nothing."""
+    from types import SimpleNamespace
+
+    import numpy as np
+    from vllm.outputs import CompletionOutput
+
+    from rlray.actors.engine import Engine
+
+    assert "routed_experts" in CompletionOutput.__dataclass_fields__  # the field the GPU path reads
+    engine = Engine(llm=None, capture_routing=True)
+    engine.moe_layers, engine.num_experts = [1, 2], 256
+    full = np.arange(4 * 3 * 2, dtype=np.uint8).reshape(4, 3, 2)
+    kept: dict = {}
+    engine.keep_routing(kept, SimpleNamespace(outputs=[SimpleNamespace(index=1, routed_experts=None)]))
+    assert kept == {}
+    engine.keep_routing(kept, SimpleNamespace(outputs=[SimpleNamespace(index=1, routed_experts=full)]))
+    assert kept[1].dtype == np.uint16 and kept[1].tolist() == full[:, 1:].tolist()

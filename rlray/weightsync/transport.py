@@ -1,6 +1,6 @@
 """The gloo weight path's transport: bucket plans, the weight group, sender and pooled receiver.
 
-rlray.transfer puts these behind vLLM's weight-transfer protocol as backend "gloo" (on GPUs
+rlray.weightsync.protocol puts these behind vLLM's weight-transfer protocol as backend "gloo" (on GPUs
 the backend is vLLM's own "nccl"); this module is torch only.
 
 Contract:
@@ -21,6 +21,7 @@ Contract:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass
 from datetime import timedelta
@@ -29,7 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-BACKENDS = ("gloo",)  # NCCL goes through vLLM's own engine (rlray.transfer)
+BUCKET_BYTES = 16 << 20  # gloo's bucket when weights.bucket_mb is unset: 4-16 MB measured best (BENCHMARKS.md)
 STORE_PREFIX = "rlray-weights"
 
 
@@ -62,13 +63,6 @@ def to_dtype(name: str) -> torch.dtype:
     raise ValueError(f"unknown dtype {name!r} in weight plan")
 
 
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
-
-
 def plan_buckets(params: list[tuple[str, tuple[int, ...], torch.dtype]], bucket_bytes: int) -> list[Bucket]:
     """Pack parameters greedily, in order, into buckets of one dtype and at most `bucket_bytes`.
 
@@ -89,7 +83,7 @@ def plan_buckets(params: list[tuple[str, tuple[int, ...], torch.dtype]], bucket_
 
     for name, shape, dtype in params:
         shape = tuple(int(d) for d in shape)
-        numel = _numel(shape)
+        numel = math.prod(shape)
         itemsize = torch.empty((), dtype=dtype).element_size()
         name_of_dtype = dtype_name(dtype)
         if current and (name_of_dtype != current_dtype or (used + numel) * itemsize > bucket_bytes):
@@ -134,15 +128,14 @@ def allocate_buffers(plan: list[Bucket], device: torch.device) -> dict[str, torc
 
 
 class WeightGroup:
-    """A separate process group for weight broadcasts from rank 0."""
+    """A separate gloo process group for weight broadcasts from rank 0 (NCCL: vLLM's own engine)."""
 
     def __init__(self, store: dist.Store, pg: dist.ProcessGroup, rank: int, world_size: int,
-                 backend: str, device: torch.device) -> None:
+                 device: torch.device) -> None:
         self.store = store
         self.pg = pg
         self.rank = rank
         self.world_size = world_size
-        self.backend = backend
         self.device = device
 
     def broadcast_async(self, tensor: torch.Tensor) -> Any:
@@ -164,17 +157,14 @@ class WeightGroup:
         self.store = None  # type: ignore[assignment]
 
 
-def open_weight_group(host: str, port: int, rank: int, world_size: int, backend: str = "gloo",
-                      timeout_s: float = 300.0) -> WeightGroup:
+def open_weight_group(host: str, port: int, rank: int, world_size: int, timeout_s: float = 300.0) -> WeightGroup:
     """Join the weight group; blocks until all `world_size` ranks are there (or times out)."""
-    if backend not in BACKENDS:
-        raise ValueError(f"this weight group's backend must be one of {BACKENDS}, got {backend!r}")
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} outside weight group of size {world_size}")
     timeout = timedelta(seconds=timeout_s)
     store = dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=timeout)
     pg = dist.ProcessGroupGloo(dist.PrefixStore(STORE_PREFIX, store), rank, world_size, timeout)
-    return WeightGroup(store, pg, rank, world_size, backend, torch.device("cpu"))
+    return WeightGroup(store, pg, rank, world_size, torch.device("cpu"))
 
 
 class WeightSender:
@@ -225,7 +215,11 @@ class WeightSender:
             assert flat is not None
             flat[spec.offset : spec.offset + spec.numel].view(spec.shape).copy_(tensor.detach())
             if spec is bucket.tensors[-1] and failed is None:
-                in_flight[key] = self.group.broadcast_async(flat[: bucket.numel])
+                try:
+                    in_flight[key] = self.group.broadcast_async(flat[: bucket.numel])
+                except (RuntimeError, AttributeError) as e:  # a lost peer, or a group closed under it
+                    failed = e
+                    continue
                 sent += bucket.numel * flat.element_size()
         for key in list(in_flight):
             wait(key)
@@ -315,16 +309,53 @@ class WeightReceiver:
         return data, self.group.broadcast_async(data)
 
 
+class CudaStreams:
+    """The CUDA stream calls `on_default_stream` makes (tests hand it a recording fake)."""
+
+    current = staticmethod(lambda: torch.cuda.current_stream())
+    default = staticmethod(lambda: torch.cuda.default_stream())
+    use = staticmethod(lambda stream: torch.cuda.stream(stream))
+    wait = staticmethod(lambda waiter, producer: waiter.wait_stream(producer))
+    record = staticmethod(lambda tensor, stream: tensor.record_stream(stream))
+
+
+def on_default_stream(pairs: Iterator[tuple[str, torch.Tensor]], device: torch.device,
+                      streams: Any = CudaStreams) -> Iterator[tuple[str, torch.Tensor]]:
+    """`pairs`, each produced (gathered, cast) on the default stream and handed to the consumer's stream.
+
+    vLLM's packed NCCL sender pulls the weight source inside `torch.cuda.stream(side)`. Produced
+    there, a gather would not wait for the optimizer step still queued on the default stream, and
+    its blocks would stay in the side stream's pool of the caching allocator (GBs on rank 0 for an
+    MoE's experts). Here each tensor is made on the default stream, the consumer's stream waits for
+    it, and the allocator is told the consumer uses it (`record_stream`), so the block returns to the
+    default stream's pool once the consumer is done. On CPU the pairs pass through unchanged.
+    """
+    if device.type != "cuda":
+        yield from pairs
+        return
+    default = streams.default()
+    while True:
+        consumer = streams.current()
+        with streams.use(default):
+            item = next(pairs, None)
+        if item is None:
+            return
+        if consumer != default:
+            streams.wait(consumer, default)
+            streams.record(item[1], consumer)
+        yield item
+
+
 @dataclass
 class TrainerSpec:
-    """What a trainer rank needs to build its end of the weight path (rlray.transfer.trainer_engine)."""
+    """What a trainer rank needs to build its end of the weight path (rlray.weightsync.protocol.trainer_engine)."""
 
     backend: str
     master_address: str
     master_port: int
     world_size: int
-    bucket_bytes: int
-    timeout_s: float
+    bucket_bytes: int | None  # None: the backend's default (BUCKET_BYTES; vLLM's packed buffer size on nccl)
+    timeout_s: float  # gloo: one join or broadcast of the weight group (vLLM's NCCL group has no timeout)
     delta: bool = False  # gloo only: after a full sync, only the changed elements
     full_every: int = 10
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import random
 from typing import Any
 
-from rlray.envs.reverse_text import _completion_text
+from rlray.envs.base import completion_text, exact_match
 
 
 def problem(split: str, index: int, max_operand: int = 99, ops: str = "+-*", seed: int = 0) -> tuple[str, str]:
@@ -25,12 +25,8 @@ def problem(split: str, index: int, max_operand: int = 99, ops: str = "+-*", see
 THINK_PROMPT = "Compute the expression. After your reasoning, reply with the integer result only."
 
 
-def exact_answer(completion: Any, answer: str, **_: Any) -> float:
-    return float(_completion_text(completion).strip() == answer)
-
-
 def final_answer(completion: Any, answer: str, **_: Any) -> float:
-    return float(_completion_text(completion).rsplit("</think>", 1)[-1].strip() == answer)
+    return float(completion_text(completion).rsplit("</think>", 1)[-1].strip() == answer)
 
 
 def load_environment(max_operand: int = 99, ops: str = "+-*", seed: int = 0, num_train: int = 50_000,
@@ -49,7 +45,7 @@ def load_environment(max_operand: int = 99, ops: str = "+-*", seed: int = 0, num
                                       "answer": [a for _, a in problems], "example_id": list(range(n))})
         return build
 
-    rubric = vf.Rubric(funcs=[final_answer if think else exact_answer], weights=[1.0])
+    rubric = vf.Rubric(funcs=[final_answer if think else exact_match], weights=[1.0])
     if think:
         kwargs.setdefault("system_prompt", THINK_PROMPT)
     return vf.SingleTurnEnv(dataset=rows("train", num_train), eval_dataset=rows("eval", num_eval), rubric=rubric,

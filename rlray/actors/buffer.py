@@ -172,7 +172,8 @@ class BufferActor:
     def _samples(self, groups: list[Group], step: int) -> list[Sample]:
         return [
             Sample(r.prompt_ids, r.completion_ids, r.loss_mask.astype(np.float32) * trains_on(r, self.algo),
-                   float(a), np.full_like(r.logprobs, np.nan) if r.biased else r.logprobs, step - r.versions)
+                   float(a), np.full_like(r.logprobs, np.nan) if r.biased else r.logprobs, step - r.versions,
+                   r.routing)
             for g in groups
             for r, a in zip(g.rollouts, g.advantages)
         ]

@@ -12,7 +12,12 @@ Contract:
   (`rollout.EngineFailed`: the engine died, or failed `rollout.max_failed_groups` groups in a
   row; its RL loop ends with that error). Actors found lost before the broadcast or during it
   are replaced and the broadcast repeated, until every engine holds `version`; a broadcast that
-  fails with no receiver lost raises, naming the version.
+  fails with no receiver lost raises, naming the version. A sync never hangs: it has a deadline
+  (`weights.sync_timeout_s`) and the engines are watched while it runs; every wait on an actor
+  has a timeout, and the trainers leave the weight group on their control thread
+  (`cluster.CONTROL`), never queued behind a broadcast in flight. On gloo an engine lost
+  mid-sync, or one that has not finished by the deadline, is killed and replaced; on nccl the
+  run stops with one line naming it (vLLM's NCCL group cannot be abandoned).
 - `start()` starts every actor's RL loop (they put groups into the buffer); `heal(version)`
   replaces actors whose loop ended early and returns whether it did; `stop(version)` ends the
   loops. `evaluate(version, ...)` runs `RolloutActor.evaluate` on every actor, replacing lost ones
@@ -31,16 +36,15 @@ import time
 from typing import Any
 
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError, RayError
+from ray.exceptions import RayActorError, RayError, RayTaskError
 
-from rlray import cluster
-from rlray.config import Config
-from rlray.rollout import EngineFailed
-from rlray.weights import TrainerSpec, rank_offsets
+from rlray.actors.rollout import EngineFailed, one_line
+from rlray.config import Config, backend
+from rlray.orchestration import cluster
+from rlray.weightsync.transport import TrainerSpec, rank_offsets
 
-
-def _one_line(error: BaseException) -> str:
-    return " ".join(f"{type(error).__name__}: {error}".split())[:300]
+POLL_S = 0.5  # a sync in flight looks at the engines this often
+HEALTH_S = 5.0  # an actor that does not answer `stats` within this long counts as not answering
 
 
 def loss_cause(error: BaseException) -> str | None:
@@ -49,6 +53,12 @@ def loss_cause(error: BaseException) -> str | None:
         return "it died (its Ray actor process is gone)"
     cause = getattr(error, "cause", None)  # a RayTaskError carries the actor's own exception
     return str(cause) if isinstance(cause, EngineFailed) else None
+
+
+def _sync_metrics(sent: dict[str, float]) -> dict[str, float]:
+    return {"sync_seconds": sent["sync_seconds"], "sync_mb": sent["sync_bytes"] / 1e6,
+            "sync_changed_frac": sent["changed_frac"],
+            "sync_gb_per_s": sent["sync_bytes"] / max(sent["sync_seconds"], 1e-9) / 1e9}
 
 
 def errors(refs: list[Any], timeout: float | None) -> dict[int, RayError]:
@@ -109,18 +119,23 @@ class RolloutFleet:
         """Form the weight group (trainer rank 0 + every engine's workers); returns its size."""
         host, port = cluster.free_address(self.h.trainer_pg, 0)
         w = self.c.weights
-        workers = ray.get([r.workers.remote() for r in self.h.rollouts])
+        workers = ray.get([r.workers.remote() for r in self.h.rollouts], timeout=w.sync_timeout_s)
         world = 1 + sum(workers)
-        spec = TrainerSpec(cluster.backend(self.c), host, port, world, w.bucket_mb << 20, w.timeout_s, w.delta,
-                           w.full_every)
-        client = FleetClient(list(self.h.rollouts), workers, w.timeout_s)
-        ray.get([t.init_weight_group.remote(spec, client) for t in self.h.trainers])
+        spec = TrainerSpec(backend(self.c), host, port, world, w.bucket_mb and w.bucket_mb << 20, w.group_timeout_s,
+                           w.delta, w.full_every)
+        client = FleetClient(list(self.h.rollouts), workers, w.sync_timeout_s)
+        ray.get([t.init_weight_group.remote(spec, client) for t in self.h.trainers],
+                timeout=w.group_timeout_s + w.sync_timeout_s)
         return world
 
     def close(self, indices: list[int]) -> None:
         """The trainer and rollout actors `indices` leave the weight group."""
-        ray.get([t.close_weight_group.remote() for t in self.h.trainers]
-                + [self.h.rollouts[i].shutdown_weight_transfer_engine.remote() for i in indices])
+        ray.get(self._close_trainers() + [self.h.rollouts[i].shutdown_weight_transfer_engine.remote() for i in indices],
+                timeout=self.c.weights.sync_timeout_s)
+
+    def _close_trainers(self) -> list[Any]:
+        """Each trainer rank leaves the weight group, on its control thread: never behind a broadcast in flight."""
+        return [t.close_weight_group.options(concurrency_group=cluster.CONTROL).remote() for t in self.h.trainers]
 
     # ---- weight sync ------------------------------------------------------------------
     def sync(self, version: int) -> dict[str, float]:
@@ -143,27 +158,81 @@ class RolloutFleet:
         return values
 
     def _broadcast(self, version: int) -> tuple[dict[str, float], dict[int, str]]:
-        """One sync of the trainer's weights: (its metrics, {}) or ({}, the actors to replace)."""
-        timeout = self.c.weights.timeout_s
-        sends = [t.broadcast_weights.remote(version) for t in self.h.trainers]
-        try:
-            out = ray.get(sends, timeout=timeout)
-        except RayError as e:
-            # Rank 0 closed its end when its broadcast failed, which releases the engines blocked in it.
-            ray.wait(sends, num_returns=len(sends), timeout=timeout)
-            ray.get([t.close_weight_group.remote() for t in self.h.trainers])
-            lost = self._lost_in_sync(version, timeout)
-            if not lost:
-                raise self._sync_error(version, e) from e
-            return {}, lost
-        sent = out[0]
-        return {"sync_seconds": sent["sync_seconds"], "sync_mb": sent["sync_bytes"] / 1e6,
-                "sync_changed_frac": sent["changed_frac"],
-                "sync_gb_per_s": sent["sync_bytes"] / max(sent["sync_seconds"], 1e-9) / 1e9}, {}
+        """One sync of the trainer's weights: (its metrics, {}) or ({}, the actors to replace).
 
-    def _lost_in_sync(self, version: int, timeout: float) -> dict[int, str]:
-        """After a failed sync: the actors that died, whose engine failed, or that do not hold
-        `version` (their load broke off with the group: an engine left mid-reload cannot serve)."""
+        The sync runs under a deadline (`weights.sync_timeout_s`) while the engines are watched: a send
+        that fails, an engine lost meanwhile or the deadline passing breaks it off (`_abandon`)."""
+        sends = [t.broadcast_weights.remote(version) for t in self.h.trainers]
+        deadline, lost = time.monotonic() + self.c.weights.sync_timeout_s, {}
+        while True:
+            ready, _ = ray.wait(sends, num_returns=len(sends), timeout=POLL_S)
+            failed = list(errors(ready, 0).values())
+            if len(ready) == len(sends) and not failed:
+                return _sync_metrics(ray.get(sends[0])), {}
+            if failed or time.monotonic() > deadline:
+                break
+            lost = self._dead()
+            if lost:
+                break
+        return {}, self._abandon(version, sends, lost, failed)
+
+    def _dead(self) -> dict[int, str]:
+        """The actors that died or whose engine can serve no more (one that does not answer is not counted)."""
+        refs = [r.stats.remote() for r in self.h.rollouts]
+        failed = errors(refs, HEALTH_S)
+        lost = {i: cause for i, err in failed.items() if (cause := loss_cause(err)) is not None}
+        return lost | {i: s["failure"] for i, ref in enumerate(refs) if i not in failed
+                       and (s := ray.get(ref))["failure"] is not None}
+
+    def _abandon(self, version: int, sends: list[Any], lost: dict[int, str], failed: list[RayError]) -> dict[int, str]:
+        """A sync broke off: the actors to replace before it is repeated, or a one-line RuntimeError.
+
+        On nccl the run stops: vLLM's NCCL communicator has no timeout, so a broadcast hung on trainer rank
+        0's GPU cannot be abandoned inside that process. On gloo the lost engines are killed (which fails
+        rank 0's broadcast to them), the trainers' sends end within the group timeout, the group is closed
+        and every engine whose load broke off with it is replaced too."""
+        w = self.c.weights
+        # A trainer's own death; not a task error whose cause is an engine's death (Ray makes those both)
+        trainer_died = next((e for e in failed if isinstance(e, RayActorError) and not isinstance(e, RayTaskError)),
+                            None)
+        if trainer_died is not None:
+            raise RuntimeError(f"a trainer rank died during the weight sync to policy version {version} "
+                               f"({one_line(trainer_died)}); resume the run from its last checkpoint (same run.dir)")
+        lost = lost or self._dead()
+        if not lost and not failed:  # the deadline passed: the engines that have not finished are stuck
+            lost = self._unfinished(version)
+        if backend(self.c) == "nccl":
+            raise RuntimeError(self._stuck(version, lost, failed))
+        for i in lost:
+            ray.kill(self.h.rollouts[i], no_restart=True)  # gloo: rank 0's broadcast to it fails instead of waiting
+        ray.wait(sends, num_returns=len(sends), timeout=w.group_timeout_s)
+        ray.get(self._close_trainers(), timeout=w.sync_timeout_s)
+        found, stats = self._lost_in_sync(version, w.group_timeout_s)
+        lost = found | lost  # what broke the sync off, over what was found after
+        if not lost:
+            raise self._sync_error(version, failed[0] if failed else None)
+        broke = "its weight load broke when the weight group lost " + ", ".join(self.names()[i] for i in sorted(lost))
+        return lost | {i: broke for i, s in stats.items() if i not in lost and s["version"] != version}
+
+    def _unfinished(self, version: int) -> dict[int, str]:
+        """Past the deadline: the actors that do not answer or have not loaded `version`."""
+        refs = [r.stats.remote() for r in self.h.rollouts]
+        failed = errors(refs, HEALTH_S)
+        why = f"it did not finish the weight sync within weights.sync_timeout_s={self.c.weights.sync_timeout_s:g}s"
+        return {i: why for i, ref in enumerate(refs) if i in failed or ray.get(ref)["version"] != version}
+
+    def _stuck(self, version: int, lost: dict[int, str], failed: list[RayError]) -> str:
+        names = self.names()
+        what = ("; ".join(f"{names[i]} was lost ({why})" for i, why in sorted(lost.items())) if lost else
+                f"the weight sync did not finish within weights.sync_timeout_s={self.c.weights.sync_timeout_s:g}s"
+                + (f" ({one_line(getattr(failed[0], 'cause', None) or failed[0])})" if failed else ""))
+        return (f"{what} during the weight sync to policy version {version}; vLLM's NCCL weight group has no timeout, "
+                "so trainer rank 0's broadcast cannot be abandoned and the run stops: resume it from its last "
+                "checkpoint (same run.dir)")
+
+    def _lost_in_sync(self, version: int, timeout: float) -> tuple[dict[int, str], dict[int, dict[str, Any]]]:
+        """After a broken sync, once every survivor's load has ended (a load still blocked in the broadcast
+        ends once rank 0's end is closed): the actors that died or whose engine failed, and every answer."""
         deadline = time.monotonic() + timeout
         while True:
             refs = [r.stats.remote() for r in self.h.rollouts]
@@ -172,22 +241,17 @@ class RolloutFleet:
             if time.monotonic() > deadline or not any(s["loading"] and s["version"] != version
                                                       and s["failure"] is None for s in stats.values()):
                 break
-            time.sleep(0.2)  # a load still blocked in the broadcast ends once rank 0's end is closed
+            time.sleep(0.2)
         lost = {i: cause for i, err in failed.items() if (cause := loss_cause(err)) is not None}
-        lost |= {i: s["failure"] for i, s in stats.items()
-                 if s["failure"] is not None}
-        if not lost:
-            return {}
-        broke = "its weight load broke when the weight group lost " + ", ".join(self.names()[i] for i in lost)
-        return lost | {i: broke for i, s in stats.items() if i not in lost and s["version"] != version}
+        return lost | {i: s["failure"] for i, s in stats.items() if s["failure"] is not None}, stats
 
-    def _sync_error(self, version: int, error: RayError) -> RuntimeError:
-        if isinstance(error, GetTimeoutError):
+    def _sync_error(self, version: int, error: RayError | None) -> RuntimeError:
+        if error is None:
             return RuntimeError(f"the weight sync to policy version {version} did not finish within "
-                                f"weights.timeout_s={self.c.weights.timeout_s}s and no rollout actor was lost; "
-                                "raise weights.timeout_s if the model is large, or check the actors' logs")
+                                f"weights.sync_timeout_s={self.c.weights.sync_timeout_s:g}s and no rollout actor was "
+                                "lost; raise weights.sync_timeout_s if the model is large, or check the actors' logs")
         return RuntimeError(f"the weight sync to policy version {version} failed with no rollout actor lost: "
-                            f"{_one_line(getattr(error, 'cause', None) or error)}")
+                            f"{one_line(getattr(error, 'cause', None) or error)}")
 
     # ---- RL loops ---------------------------------------------------------------------
     def _loop(self, i: int) -> Any:
@@ -207,7 +271,7 @@ class RolloutFleet:
         try:
             ray.get(ref, timeout=0)
         except RayError as e:
-            return loss_cause(e) or f"its RL loop crashed ({_one_line(getattr(e, 'cause', None) or e)})"
+            return loss_cause(e) or f"its RL loop crashed ({one_line(getattr(e, 'cause', None) or e)})"
         return "its RL loop returned before it was stopped"
 
     def heal(self, version: int) -> bool:
@@ -220,10 +284,10 @@ class RolloutFleet:
     def stop(self, version: int) -> None:
         """End the RL loops; an actor whose loop ended lost is replaced (with policy `version`)."""
         stops = [r.stop.remote() for r in self.h.rollouts]
-        ray.wait(stops, num_returns=len(stops), timeout=self.c.weights.timeout_s)
-        failed = errors(self.loops, self.c.weights.timeout_s)
+        ray.wait(stops, num_returns=len(stops), timeout=self.c.weights.sync_timeout_s)
+        failed = errors(self.loops, self.c.weights.sync_timeout_s)
         self.loops = []
-        lost = {i: loss_cause(e) or f"its RL loop did not stop ({_one_line(e)})" for i, e in failed.items()}
+        lost = {i: loss_cause(e) or f"its RL loop did not stop ({one_line(e)})" for i, e in failed.items()}
         if lost:
             self._restore(lost, version)
 
@@ -232,7 +296,7 @@ class RolloutFleet:
         refs = [r.stats.remote() for r in self.h.rollouts]
         failed = errors(refs, 10.0)
         stats = [{} if i in failed else ray.get(ref) for i, ref in enumerate(refs)]
-        return {name: (f"did not answer ({_one_line(failed[i])})" if i in failed
+        return {name: (f"did not answer ({one_line(failed[i])})" if i in failed
                        else stats[i]["failure"] or stats[i]["last_error"])
                 for i, name in enumerate(self.names())}
 
@@ -265,7 +329,8 @@ class RolloutFleet:
         for i in lost:
             ray.kill(self.h.rollouts[i], no_restart=True)
             ray.get(self.h.buffer.forget.remote(i))
-            if self.loops:
+            if self.loops and self.loops[i] is not None:
+                errors([self.loops[i]], HEALTH_S)  # its error, read: Ray prints a traceback for one never read
                 self.loops[i] = None
         self.close([i for i in range(len(self.h.rollouts)) if i not in lost])
         for i in lost:

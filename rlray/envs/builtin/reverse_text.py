@@ -16,7 +16,7 @@ import random
 import string
 from typing import Any
 
-from rlray.envs.base import Example
+from rlray.envs.base import Example, completion_text, exact_match
 
 
 def lcs(a: str, b: str) -> int:
@@ -55,23 +55,12 @@ class ReverseText:
         return r, {"lcs_ratio": r, "exact": float(completion.strip() == example.answer)}
 
 
-def _completion_text(completion: Any) -> str:
-    if isinstance(completion, str):
-        return completion
-    texts = [m.get("content") if isinstance(m, dict) else getattr(m, "content", None) for m in completion or []]
-    return "".join(t for t in texts if isinstance(t, str))
-
-
 def lcs_reward(completion: Any, answer: str, **_: Any) -> float:
-    return lcs_ratio(_completion_text(completion).strip(), answer)
-
-
-def exact(completion: Any, answer: str, **_: Any) -> float:
-    return float(_completion_text(completion).strip() == answer)
+    return lcs_ratio(completion_text(completion).strip(), answer)
 
 
 def _answers(completion: Any) -> list[str]:
-    return [_completion_text([m]).strip() for m in completion or []
+    return [completion_text([m]).strip() for m in completion or []
             if (m.get("role") if isinstance(m, dict) else getattr(m, "role", None)) == "assistant"]
 
 
@@ -100,7 +89,7 @@ def load_environment(min_len: int = 3, max_len: int = 8, seed: int = 0, num_trai
         return build
 
     if turns == 1:
-        rubric = vf.Rubric(funcs=[lcs_reward, exact], weights=[1.0, 0.0])
+        rubric = vf.Rubric(funcs=[lcs_reward, exact_match], weights=[1.0, 0.0])
         return vf.SingleTurnEnv(dataset=rows("train", num_train), eval_dataset=rows("eval", num_eval),
                                 rubric=rubric, **kwargs)
 

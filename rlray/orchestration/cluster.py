@@ -8,8 +8,10 @@ runtime_env (`code_env`): rlray and the modules of `env.python_path` as `py_modu
 nodes without this checkout import the driver's copy.
 `check_resources(gpus, cpus)` compares a plan with the connected cluster.
 `spawn(config)` creates one placement group for the trainer ranks and one for the
-rollout actors (bundle sizes from the config, on nodes with `*.node_labels`), then the named actors `trainer-i`,
-`rollout-i` and `buffer` from the plain classes; `spawn_rollout` (re)creates one rollout
+rollout actors (bundle sizes from the config, on nodes with `*.node_labels`), then the named actors `trainer-i`
+(with a `CONTROL` concurrency group beside the default one),
+`rollout-i` and `buffer` from the plain classes, and has trainer rank 0 serve the trainer group's
+store (`Handles.master`); `spawn_rollout` (re)creates one rollout
 actor in its bundle. `free_address(pg, bundle)` returns
 (ip, port) free on the node of that bundle. `teardown(handles)` kills them all.
 """
@@ -29,36 +31,43 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from rlray.buffer import BufferActor
-from rlray.config import ClusterConfig, Config
-from rlray.rollout import RolloutActor
-from rlray.trainer import TrainerActor
+from rlray.actors.buffer import BufferActor
+from rlray.actors.rollout import RolloutActor
+from rlray.actors.trainer import TrainerActor
+from rlray.config import ClusterConfig, Config, backend
 
-REPO = str(Path(__file__).resolve().parent.parent)
+PACKAGE = Path(__file__).resolve().parents[1]  # rlray/
+REPO = str(PACKAGE.parent)
+# Trainer calls that must never queue behind a collective in flight (closing the weight group):
+# `handle.method.options(concurrency_group=CONTROL).remote()` runs them on a thread of their own.
+CONTROL = "control"
 
 
 SHIPPED = "RLRAY_SHIPPED_CODE"  # set in every actor whose env modules came with the runtime_env
 
 
-def code_env(python_path: Sequence[str] = ()) -> dict[str, Any]:
+def code_env(python_path: Sequence[str] = (), benchmarks: bool = False) -> dict[str, Any]:
     """The runtime_env that ships rlray and each module (a .py file or a package folder) found in
     the `python_path` folders to every node; PYTHONPATH keeps this checkout for whatever else the
-    driver imports from it (a node without it skips the missing folder)."""
-    modules = [str(Path(__file__).resolve().parent)]
+    driver imports from it (a node without it skips the missing folder). rlray/bench stays behind
+    (a run's code is the run's) unless `benchmarks` (their own Ray actors need it)."""
+    modules = [str(PACKAGE)]
     for folder in map(Path, python_path):
         modules += [str(m) for m in sorted(folder.iterdir()) if m.suffix == ".py" or (m / "__init__.py").is_file()]
     env_vars = {"PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])),
                 "TOKENIZERS_PARALLELISM": "false", SHIPPED: os.pathsep.join(python_path)}
-    return {"py_modules": modules, "env_vars": env_vars}
+    # Ray applies excludes within each py_modules folder, as gitignore patterns from its root
+    return {"py_modules": modules, "env_vars": env_vars, **({} if benchmarks else {"excludes": ["/bench/"]})}
 
 
-def connect(cfg: ClusterConfig, verbose: bool = False, python_path: Sequence[str] = ()) -> None:
-    """Join or start Ray with `code_env(python_path)`. The actors' output (vLLM's INFO lines
-    included) goes to Ray's session logs (`collect_logs` copies them into the run folder); with
+def connect(cfg: ClusterConfig, verbose: bool = False, python_path: Sequence[str] = (),
+            benchmarks: bool = False) -> None:
+    """Join or start Ray with `code_env(python_path, benchmarks)`. The actors' output (vLLM's INFO
+    lines included) goes to Ray's session logs (`collect_logs` copies them into the run folder); with
     `verbose` to the console too."""
     if ray.is_initialized():
         return
-    env = code_env(python_path)
+    env = code_env(python_path, benchmarks)
     logging.getLogger("ray._private.runtime_env.packaging").setLevel(logging.WARNING)  # a line per module shipped
     address = cfg.address or os.environ.get("RAY_ADDRESS")
     if address:
@@ -66,7 +75,7 @@ def connect(cfg: ClusterConfig, verbose: bool = False, python_path: Sequence[str
         return
     import torch
 
-    gpus = torch.cuda.device_count() if cfg.num_gpus is None else cfg.num_gpus  # checked <= torch's by rlray.plan
+    gpus = torch.cuda.device_count() if cfg.num_gpus is None else cfg.num_gpus  # checked <= torch's by rlray.orchestration.plan
     ray.init(address="local", num_cpus=cfg.num_cpus, num_gpus=gpus, include_dashboard=True,
              dashboard_host=cfg.dashboard_host, _node_ip_address="127.0.0.1", runtime_env=env,
              log_to_driver=verbose)
@@ -132,6 +141,7 @@ class Handles:
     trainers: list[Any]
     rollouts: list[Any]
     buffer: Any
+    master: str  # the trainer group's store, "host:port" (every rank's `setup(master)`)
     groups: list[PlacementGroup] = field(default_factory=list)
 
     @property
@@ -158,30 +168,25 @@ def _pg(name: str, n: int, cpus: float, gpus: float, labels: dict[str, str], key
     return pg
 
 
-def backend(c: Config) -> str:
-    if c.cluster.backend != "auto":
-        return c.cluster.backend
-    return "nccl" if c.trainer.gpus_per_rank > 0 else "gloo"
-
-
 def spawn(c: Config, pad_id: int) -> Handles:
     t, r = c.trainer, c.rollout
     tpg = _pg("rlray-trainer", t.num_ranks, t.cpus_per_rank, t.gpus_per_rank, t.node_labels, "trainer.node_labels")
     rpg = _pg("rlray-rollout", r.num_actors, r.cpus_per_actor, r.gpus_per_actor, r.node_labels,
               "rollout.node_labels")
-    host, port = free_address(tpg, 0)
+    host, _ = free_address(tpg, 0)  # rank 0's node; its store picks the port (TrainerActor.serve_group)
     trainers = [
-        ray.remote(TrainerActor).options(
+        ray.remote(concurrency_groups={CONTROL: 1})(TrainerActor).options(
             name=f"trainer-{i}", num_cpus=t.cpus_per_rank, num_gpus=t.gpus_per_rank,
             scheduling_strategy=PlacementGroupSchedulingStrategy(tpg, placement_group_bundle_index=i),
-        ).remote(i, t.num_ranks, f"{host}:{port}", c.model, t, c.algo, backend(c), r.temperature, r.dtype)
+        ).remote(i, t.num_ranks, f"{host}:0", c.model, t, c.algo, backend(c), r.temperature, r.dtype)
         for i in range(t.num_ranks)
     ]
     rollouts = [spawn_rollout(c, i, rpg) for i in range(r.num_actors)]
+    master = ray.get(trainers[0].serve_group.remote())
     buffer = ray.remote(BufferActor).options(name="buffer", num_cpus=0).remote(
         c.algo, c.rl.batch_size // r.group_size, c.async_.max_off_policy_steps, t.num_ranks,
         t.micro_batch_tokens, pad_id, t.packing, t.cp)
-    return Handles(trainers, rollouts, buffer, [tpg, rpg])
+    return Handles(trainers, rollouts, buffer, master, [tpg, rpg])
 
 
 def rollout_name(index: int, incarnation: int = 0) -> str:

@@ -22,7 +22,7 @@ from rlray.config import LoggingConfig
 CONSOLE = [("reward_mean", "reward", "{:.3f}"), ("eval_reward", "eval", "{:.3f}"), ("lag_mean", "lag", "{:.2f}"),
            ("rollout_tokens_per_s", "gen tok/s", "{:.0f}"), ("step_seconds", "step_s", "{:.2f}"),
            ("sync_seconds", "sync_s", "{:.3f}"), ("mismatch_kl", "mis_kl", "{:.1e}"),
-           ("stale_kl", "stale_kl", "{:.1e}"), ("loss", "loss", "{:.4f}"),
+           ("router_agreement", "router_agree", "{:.3f}"), ("stale_kl", "stale_kl", "{:.1e}"), ("loss", "loss", "{:.4f}"),
            ("moe_load_max_mean", "moe_load", "{:.2f}"), ("turns_mean", "turns", "{:.2f}"),
            ("token_mismatch_frac", "mismatch", "{:.2f}")]
 QUIET = {"turns_mean": 1.0, "token_mismatch_frac": 0.0}  # left off the console line at this value
@@ -45,6 +45,7 @@ RAY_GAUGES = {
     "rlray_weight_sync_gb_per_s": ("sync_gb_per_s", "GB/s of the last weight broadcast"),
     "rlray_mismatch_kl": ("mismatch_kl", "KL(inference || trainer) on tokens of the trainer's version"),
     "rlray_stale_kl": ("stale_kl", "KL(inference || trainer) on tokens of older versions"),
+    "rlray_router_agreement": ("router_agreement", "share of (token, MoE layer) pairs routed as the engine did"),
     "rlray_moe_load_max_mean": ("moe_load_max_mean", "tokens of the busiest expert over the mean, per MoE layer"),
 }
 
@@ -80,6 +81,8 @@ class Metrics:
         self.ray: RayGauges | None = None
         mode = wandb_mode(cfg.wandb)
         if mode != "disabled":
+            if not cfg.verbose:  # wandb advertises its Weave tracing in three lines when verifiers is imported
+                os.environ.setdefault("WANDB_DISABLE_WEAVE", "true")
             import wandb
 
             self.wandb = wandb.init(project=cfg.project, dir=str(run_dir), config=config, mode=mode,
@@ -110,7 +113,7 @@ class Metrics:
     @staticmethod
     def console(stage: str, step: int, values: dict[str, Any], total: int | None = None) -> None:
         where = f"{step + 1}/{total}" if total else str(step)
-        parts = [f"[{stage}] step {where}"]
+        parts = [f"[{stage}] {values['tag']}" if "tag" in values else f"[{stage}] step {where}"]
         for key, label, fmt in CONSOLE:
             if isinstance(values.get(key), (int, float)) and values[key] != QUIET.get(key):
                 parts.append(f"{label} {fmt.format(values[key])}")

@@ -3,7 +3,7 @@
 Contract: `run(config) -> summary` creates the run folder (resolved config,
 metrics.jsonl, eval samples), connects to Ray, spawns the actors, opens the weight
 group, then runs `config.stages` in order and tears everything down. The rollout actors,
-their weight group, syncs and RL loops are a `RolloutFleet` (rlray.fleet), which replaces a
+their weight group, syncs and RL loops are a `RolloutFleet` (rlray.orchestration.fleet), which replaces a
 rollout actor that dies or whose engine dies, up to `rollout.max_restarts` times; training
 waits meanwhile and loses no step. An RL step whose batch is not complete within
 `rl.batch_timeout_s` (restarted by a replacement) fails with one line naming the step, the
@@ -28,16 +28,17 @@ from typing import Any
 import ray
 import yaml
 
-from rlray import checkpoint, cluster
+from rlray.actors.rollout import resolve_chat_template
+from rlray.algo.loss import resolve
 from rlray.config import Config
+from rlray.config.resources import needs
 from rlray.data.packing import pack
 from rlray.envs import load_envs
 from rlray.envs.sft import SFTData
-from rlray.fleet import RolloutFleet
-from rlray.metrics import Metrics
 from rlray.models.tiny import model_path
-from rlray.plan import needs
-from rlray.rollout import resolve_chat_template
+from rlray.orchestration import checkpoint, cluster
+from rlray.orchestration.fleet import RolloutFleet
+from rlray.orchestration.metrics import Metrics
 
 
 def _config_dict(c: Config) -> dict[str, Any]:
@@ -48,6 +49,7 @@ def _config_dict(c: Config) -> dict[str, Any]:
 
 class Controller:
     def __init__(self, c: Config) -> None:
+        resolve(c.algo)  # the loss's preset; launch has resolved it already (a second call changes nothing)
         self.c = c
         self.run_dir = Path(c.run.dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -82,7 +84,7 @@ class Controller:
         cluster.check_resources(*needs(self.c))
         t0 = time.perf_counter()
         self._h = cluster.spawn(self.c, pad_id=self.tokenizer.pad_token_id)
-        ray.get([t.setup.remote() for t in self.h.trainers] + [r.start.remote() for r in self.h.rollouts])
+        ray.get([t.setup.remote(self.h.master) for t in self.h.trainers] + [r.start.remote() for r in self.h.rollouts])
         self._fleet = RolloutFleet(self.c, self.h)
         world = self.fleet.open()
         print(f"actors ready in {time.perf_counter() - t0:.1f}s: {len(self.h.trainers)} trainer ranks, "
@@ -111,7 +113,7 @@ class Controller:
                 f"{queued} of {needed} groups queued; last errors: {last}. "
                 "Raise rl.batch_timeout_s if rollouts are just slow")
 
-    def evaluate(self, tag: str) -> float:
+    def evaluate(self, tag: str, at: int) -> float:
         """Every environment's eval split on the rollout actors (`eval.num_samples` per example).
 
         Appends one record per example (prompt, answer, completions, rewards, errors) to
@@ -121,14 +123,13 @@ class Controller:
         from rlray.envs.evaluation import summarize
 
         e = self.c.eval
-        max_tokens = e.max_tokens if isinstance(e.max_tokens, int) else self.c.rollout.max_tokens
-        records = self.fleet.evaluate(self.version, e.num_examples, e.num_samples, e.temperature, max_tokens)
+        records = self.fleet.evaluate(self.version, e.num_examples, e.num_samples, e.temperature, e.max_tokens)
         records.sort(key=lambda rec: (rec["env"], rec["example"]))
         with (self.run_dir / "eval_results.jsonl").open("a") as f:
             for rec in records:
                 f.write(json.dumps({"tag": tag, **rec}) + "\n")
         overall = summarize(records, e.pass_k, e.pass_threshold)
-        values: dict[str, Any] = {"tag": tag, "eval_reward": overall["reward_mean"],
+        values: dict[str, Any] = {"tag": tag, "at": at, "eval_reward": overall["reward_mean"],
                                   **{k: v for k, v in overall.items() if k != "reward_mean"}}
         envs = sorted({rec["env"] for rec in records})
         if len(envs) > 1:
@@ -158,7 +159,7 @@ class Controller:
             last = step + 1 == s.max_steps
             if (step + 1) % s.eval_every == 0 or last:
                 values.update(self.sync(0))
-                values["eval_reward"] = reward = self.evaluate(f"sft-{step + 1}")
+                values["eval_reward"] = reward = self.evaluate(f"sft-{step + 1}", step + 1)
             self.metrics.log("sft", step, values, s.max_steps)
             if reward >= s.stop_reward:
                 print(f"SFT reached held-out reward {reward:.3f} >= sft.stop_reward={s.stop_reward} "
@@ -190,7 +191,7 @@ class Controller:
         if resume is None:
             self.version = 0
             self.sync(0)
-            start = self.evaluate("rl-start")
+            start = self.evaluate("rl-start", 0)
             self.summary["rl_start_reward"] = start
             print(f"held-out {self._eval_kind()} reward before RL: {start:.3f}", flush=True)
             if self.c.checkpoint.every:
@@ -206,6 +207,20 @@ class Controller:
         ray.get(self.h.buffer.load_state.remote({**resume["buffer"], "step": resume["step"]}))
         self.sync(self.version)
         return resume["step"]
+
+    def _check_mismatch(self, step: int, values: dict[str, Any]) -> None:
+        """A step over `rl.mismatch_kl_budget` is counted (`mismatch_over_budget`) and named in one line."""
+        budget, kl = self.c.rl.mismatch_kl_budget, values.get("mismatch_kl")
+        if budget is None or kl is None:
+            return
+        over = self.summary.get("mismatch_over_budget", 0) + (kl > budget)
+        self.summary["mismatch_over_budget"] = values["mismatch_over_budget"] = over
+        if kl > budget:
+            agree = values.get("router_agreement")
+            print(f"warning: step {step}: mismatch_kl {kl:.2e} over rl.mismatch_kl_budget={budget:g}"
+                  + (f" (router_agreement {agree:.3f}; trainer.router_replay={self.c.trainer.router_replay})"
+                     if agree is not None else "") + ": the engine and the trainer disagree more than this recipe "
+                  "was measured to; check rollout.dtype, trainer.param_dtype and trainer.router_replay", flush=True)
 
     def rl(self, resume: dict[str, Any] | None = None) -> None:
         c = self.c
@@ -226,12 +241,13 @@ class Controller:
                       "rollout_restarts": self.fleet.restarts}
             if (step + 1) % c.rl.sync_every == 0:
                 values.update(self.sync(self.version))
-            every = c.eval.every_n_steps if isinstance(c.eval.every_n_steps, int) else c.rl.eval_every
+            every = c.eval.every_n_steps  # interpolations are resolved once, in rlray.config.compose.to_config
             if every and (step + 1) % every == 0 and step + 1 < c.rl.steps:
-                values["eval_reward"] = self.evaluate(f"rl-{step + 1}")
+                values["eval_reward"] = self.evaluate(f"rl-{step + 1}", step + 1)
             values["step_seconds"] = time.perf_counter() - t0
             values["train_tokens_per_s"] = values.get("completion_tokens", 0) / values["step_seconds"]
             lags.append(values.get("lag_mean", 0.0))
+            self._check_mismatch(step, values)
             self.metrics.log("rl", step, values, c.rl.steps)
             if c.checkpoint.every and (step + 1) % c.checkpoint.every == 0 and step + 1 < c.rl.steps:
                 self.save("rl", step + 1)
@@ -241,7 +257,7 @@ class Controller:
         if c.checkpoint.export_hf:
             ray.get([t.export_hf.remote(str(self.run_dir / "hf")) for t in self.h.trainers])
             print(f"exported the trained model to {self.run_dir / 'hf'}", flush=True)
-        end = self.evaluate("rl-end")
+        end = self.evaluate("rl-end", c.rl.steps)
         self.summary.update(rl_end_reward=end, lag_max=float(max(lags, default=0.0)))
         print(f"held-out {self._eval_kind()} reward after RL: {end:.3f} (before RL {start:.3f}, gain {end - start:+.3f})",
               flush=True)
@@ -254,7 +270,7 @@ class Controller:
         """Evaluation as a stage (`stages=[eval]`, or after training): the current policy on
         every environment's eval split; the summary gets the mean reward and pass@k."""
         self.sync(self.version)
-        self.summary["eval_reward"] = reward = self.evaluate("eval")
+        self.summary["eval_reward"] = reward = self.evaluate("eval", self.version)
         passes = {k: v for k, v in self.last_eval.items() if k.startswith("pass@")}
         self.summary["eval"] = {k: v for k, v in self.last_eval.items() if k != "tag"}
         shown = "  ".join(f"{k} {v:.3f}" for k, v in passes.items())

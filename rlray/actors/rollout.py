@@ -2,9 +2,10 @@
 cluster.py makes it a Ray actor.
 
 Contract:
-- `start()` builds the engine (one vLLM adapter: rlray.engine.Engine), serves it through vLLM's
-  own OpenAI server on `env.server_host` (rlray.server; `endpoint()` returns its base URL) and
-  loads the environments of `env` (id or weighted mix, rlray.envs) into an `EnvRunner`.
+- `start()` builds the engine (one vLLM adapter: rlray.actors.engine.Engine), serves it through vLLM's
+  own OpenAI server on `env.server_host` (rlray.actors.server; `endpoint()` returns its base URL) and
+  loads the environments of `env` (id or weighted mix, rlray.envs) into an `EnvRunner`. An MoE
+  model's engine captures its routing, so every rollout carries it (`Rollout.routing`).
 - `run(buffer)` loops until `stop()`: reserves group tickets from the buffer (which
   bounds how far ahead of the trainer rollouts may run), takes each ticket's environment,
   row and sampling seed (`EnvRunner.train_row`, a function of the ticket), runs `group_size`
@@ -16,7 +17,7 @@ Contract:
   failing engine costs the group (its ticket goes back). The loop ends by raising `EngineFailed`
   once the engine has died (`Engine.death()`) or failed `rollout.max_failed_groups` groups in a row.
 - Weight sync is vLLM's weight-transfer protocol, this actor being the inference end a
-  `VLLMWeightSyncClient` calls (rlray.fleet.FleetClient, driven from trainer rank 0):
+  `VLLMWeightSyncClient` calls (rlray.orchestration.fleet.FleetClient, driven from trainer rank 0):
   `init_weight_transfer_engine(info)` joins the weight group (`workers()` ranks),
   `shutdown_weight_transfer_engine()` leaves it (it is re-formed when an actor is replaced);
   `start_weight_update()` pauses generation (in-flight requests are kept), `update_weights(info)`
@@ -42,6 +43,7 @@ from typing import Any, TypeVar
 from rlray.config import EnvConfig, ModelConfig, RolloutConfig, engine_workers
 from rlray.envs import load_envs
 from rlray.models.tiny import model_path
+from rlray.parallel.dims import num_experts
 from rlray.types import Group
 
 T = TypeVar("T")
@@ -51,12 +53,13 @@ class EngineFailed(RuntimeError):
     """This actor's engine can serve no more; the message says why in one line ("its vLLM engine ...")."""
 
 
-def _line(error: BaseException) -> str:
-    return " ".join(f"{type(error).__name__}: {error}".split())
+def one_line(error: BaseException, limit: int = 300) -> str:
+    """`Type: message` on one line, at most `limit` characters."""
+    return " ".join(f"{type(error).__name__}: {error}".split())[:limit]
 
 
 def resolve_chat_template(cfg: EnvConfig, tokenizer: Any) -> str:
-    from rlray.server import PLAIN_CHAT_TEMPLATE
+    from rlray.actors.server import PLAIN_CHAT_TEMPLATE
 
     template = cfg.chat_template
     if template and os.path.exists(template):
@@ -94,14 +97,16 @@ class RolloutActor:
         self.stats_ = {"groups": 0, "completion_tokens": 0, "errors": 0, "gen_seconds": 0.0}
 
     async def start(self) -> dict[str, Any]:
-        from transformers import AutoTokenizer
+        from transformers import AutoConfig, AutoTokenizer
 
-        from rlray.engine import Engine
+        from rlray.actors.engine import Engine, version_warning
+        from rlray.actors.server import PLAIN_CHAT_TEMPLATE, OpenAIServer
         from rlray.envs.bridge import TurnBridge
         from rlray.envs.client import make_clients
         from rlray.envs.runner import EnvRunner
-        from rlray.server import PLAIN_CHAT_TEMPLATE, OpenAIServer
 
+        if warning := version_warning():
+            print(warning, flush=True)
         path = model_path(self.model_cfg)
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         template = resolve_chat_template(self.env_cfg, self.tokenizer)
@@ -111,7 +116,8 @@ class RolloutActor:
             os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_binding(engine_workers(self.cfg)))
         self.engine = await Engine.create(path, max_model_len=self.cfg.max_model_len, seed=self.seed + self.index,
                                           kv_cache_fraction=self.cfg.kv_cache_fraction,
-                                          weights_backend=self.weights_backend, engine_kwargs=self._engine_kwargs())
+                                          weights_backend=self.weights_backend, engine_kwargs=self._engine_kwargs(),
+                                          capture_routing=num_experts(AutoConfig.from_pretrained(path)) > 0)
         parser = self.env_cfg.tool_call_parser
         if parser == "auto":
             parser = "rlray" if template == PLAIN_CHAT_TEMPLATE else None
@@ -121,7 +127,7 @@ class RolloutActor:
         self.clients = make_clients(self.server.url, self.env_cfg.rollout_timeout_s, bridge, self.cfg.max_model_len)
         self.runner = EnvRunner(envs, self.engine, self.tokenizer, self.clients, self.env_cfg,
                                 version=lambda: self.version, server=self.server, chat_template=template,
-                                index=self.index, num_actors=self.num_actors, run_seed=self.run_seed)
+                                num_actors=self.num_actors, run_seed=self.run_seed)
         return {"index": self.index, "model": path, "endpoint": self.server.url}
 
     def _engine_kwargs(self) -> dict[str, Any]:
@@ -168,7 +174,7 @@ class RolloutActor:
             raise
         except Exception as e:
             self.stats_["errors"] += 1
-            self.last_error = _line(e)
+            self.last_error = one_line(e)
             self.failed_in_a_row += 1
             return None
         if self.engine.death() is not None:  # over HTTP a dead engine's rollouts are reward-0 errors
@@ -237,7 +243,7 @@ class RolloutActor:
         if death is not None:
             raise EngineFailed(f"its vLLM engine died ({death})") from error
 
-    # ---- vLLM's weight-transfer protocol: the calls of a VLLMWeightSyncClient (rlray.fleet) ----
+    # ---- vLLM's weight-transfer protocol: the calls of a VLLMWeightSyncClient (rlray.orchestration.fleet) ----
     async def workers(self) -> int:
         """The engine's worker processes: the weight-group ranks this actor takes."""
         return self.engine.workers()

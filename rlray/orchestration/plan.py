@@ -4,8 +4,7 @@ Contract: `make_plan(config)` reads only the model's architecture (rlray.models.
 meta-device build counts its parameters exactly: no weights, no Ray) and returns a `Plan`:
 `render()` is what `dry_run=true` prints (`summary()` its one-line digest), `problems()` lists what cannot fit, one line each
 naming the part, the shortfall and a fix, and `gpus`/`cpus` are what the run asks of the
-cluster (`needs(config)`). `check_local(config)` refuses a local run whose bundles need GPUs that torch cannot
-see (a local Ray declares exactly those) or more CPUs than `cluster.num_cpus`. The memory figures are estimates (formulas below), stated as such.
+cluster (`rlray.config.resources.needs`). The memory figures are estimates (formulas below), stated as such.
 
 Trainer, per rank (N ranks, P parameters, FSDP2 shards everything over the N ranks, experts over
 ep x efsdp = N as well): fp32 master weights 4P/N, fp32 gradients 4P/N, AdamW 8P/N; the
@@ -21,12 +20,14 @@ Engine, per GPU (tensor parallel TP): weights P x b / TP; the KV cache gets what
 
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
-from rlray.config import Config, ConfigError, engine_workers
-from rlray.parallel.dims import ParallelDims, num_experts
+from rlray.config import Config, ConfigError, backend, engine_workers
+from rlray.config.resources import needs
+from rlray.models.shape import ModelShape, human, model_shape
+from rlray.parallel.dims import ParallelDims
+from rlray.types import route_dtype
+from rlray.weightsync.transport import BUCKET_BYTES
 
 GB = 1e9
 BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -34,68 +35,22 @@ OVERHEAD_GB = 4.0  # CUDA context, NCCL buffers, allocator slack per trainer GPU
 ENGINE_RESERVE_GB = 2.0  # vLLM's activation peak per GPU, beside weights and KV
 
 
-@dataclass
-class ModelShape:
-    """What the plan needs to know about a model, counted on the meta device."""
-
-    name: str
-    source: str
-    arch: str
-    params: int
-    expert_params: int
-    root_params: int  # embedding, head and final norm: outside the decoder layers
-    layer_dense: int  # the largest decoder layer's non-expert parameters
-    layer_experts: int  # the largest decoder layer's routed-expert parameters
-    hf: Any = field(repr=False)
-
-    @property
-    def experts(self) -> int:
-        return num_experts(self.hf)
-
-    @property
-    def active_params(self) -> int:
-        k = getattr(self.hf, "num_experts_per_tok", 0) or 0
-        return self.params - self.expert_params + (self.expert_params * k // self.experts if self.experts else 0)
-
-    def dim(self, key: str, default: int = 0) -> int:
-        return int(getattr(self.hf, key, None) or default)
-
-
-def human(n: float) -> str:
-    """A parameter count for people: 512k, 1.02M, 106.85B."""
-    for unit, size in (("B", 1e9), ("M", 1e6), ("k", 1e3)):
-        if n >= size:
-            return f"{n / size:.3g}{unit}" if unit != "B" else f"{n / size:.2f}B"
-    return f"{n:.0f}"
-
-
-def model_shape(c: Config) -> ModelShape:
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from rlray.models.catalog import hf_config_of
-    from rlray.parallel.expert import moe_experts
-    from rlray.parallel.parallelize import decoder_layers
+def shape_of(c: Config) -> ModelShape:
+    """The run's model counted on the meta device: a tiny architecture, or the checkpoint's (or the
+    catalog's) config; `model.arch`, when set for another model, must name its architecture."""
+    from rlray.models.catalog import architecture
 
     if c.model.name == "tiny":
         from rlray.data.tokenizer import char_tokenizer
-        from rlray.models.tiny import hf_config
+        from rlray.models.tiny import tiny_architecture
 
         tok = char_tokenizer()
-        hf, source = hf_config(c.model, len(tok), tok), "rlray's tiny-model factory"
-    else:
-        hf, source = hf_config_of(c.model.name)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(hf)
-    count = lambda module: sum(p.numel() for p in module.parameters())
-    experts = {name: count(m) for name, m in moe_experts(model)}
-    layers = decoder_layers(model)
-    per_layer = [(count(layer), sum(n for name, n in experts.items() if name.startswith(f"model.layers.{i}.")))
-                 for i, layer in enumerate(layers)]
-    dense, routed = max(per_layer, key=lambda t: t[0])
-    total = count(model)
-    return ModelShape(c.model.name, source, type(model).__name__, total, sum(experts.values()),
-                      total - sum(t for t, _ in per_layer), dense - routed, routed, hf)
+        return model_shape(tiny_architecture(c.model, len(tok), tok), "tiny", "rlray's tiny-model factory")
+    hf, source = architecture(c.model.name)
+    if c.model.arch is not None and c.model.arch != hf.model_type:
+        raise ConfigError(f"model.arch='{c.model.arch}' but model.name='{c.model.name}' is a {hf.model_type} model; "
+                          "model.arch picks a tiny model's architecture: drop it or make it match")
+    return model_shape(hf, c.model.name, source)
 
 
 def _activations(s: ModelShape, c: Config, checkpointing: bool) -> float:
@@ -175,15 +130,13 @@ class Plan:
             self.dims.check_model(self.shape.hf)
         except ValueError as e:
             out.append(str(e))
+        if c.trainer.router_replay and not self.shape.experts:
+            out.append(f"trainer.router_replay=true but the {self.shape.arch} model has no experts; set "
+                       "trainer.router_replay=false")
         heads = self.shape.dim("num_attention_heads")
         tp = c.rollout.tensor_parallel_size
         if heads % tp:
             out.append(f"rollout.tensor_parallel_size={tp} does not divide the model's {heads} attention heads")
-        n = engine_workers(c.rollout)
-        if c.rollout.gpus_per_actor and c.rollout.gpus_per_actor != n:
-            out.append(f"rollout.gpus_per_actor={c.rollout.gpus_per_actor} but rollout.tensor_parallel_size={tp} x "
-                       f"data_parallel_size={c.rollout.data_parallel_size} = {n} workers: an engine uses one GPU "
-                       "per worker; make them equal")
         if not self.on_gpu:
             return out
         mem, need = c.cluster.gpu_memory_gb, sum(self.trainer.values()) / GB
@@ -234,6 +187,16 @@ class Plan:
         dp = f" x data_parallel_size={r.data_parallel_size}" if r.data_parallel_size > 1 else ""
         lines.append(f"rollout: {r.num_actors} engines x tensor_parallel_size={r.tensor_parallel_size}{dp}, "
                      f"{r.dtype}; weight group of 1 + {r.num_actors * engine_workers(r)} workers")
+        if s.experts:
+            k = s.dim("num_experts_per_tok")
+            lines.append(f"  routing: {s.moe_layers} MoE layers x top-{k} x {route_dtype(s.experts).itemsize} B = "
+                         f"{s.routing_bytes} B per token, carried with each rollout; replayed in the trainer: "
+                         f"trainer.router_replay={str(t.router_replay).lower()}")
+        w, b = c.weights, backend(c)
+        bucket = f"{w.bucket_mb} MB buckets" if w.bucket_mb else (
+            "vLLM's packed buffers (its default size)" if b == "nccl" else f"{BUCKET_BYTES >> 20} MB buckets")
+        lines.append(f"weight sync: {b}, {bucket}; a sync gives up after weights.sync_timeout_s={w.sync_timeout_s:g}s"
+                     + (f", one broadcast after weights.group_timeout_s={w.group_timeout_s:g}s" if b == "gloo" else ""))
         where = f"GPU of {c.cluster.gpu_memory_gb:g} GB" if self.on_gpu else "CPU rank (host RAM)"
         lines.append(f"memory per trainer {where} (estimate, GB):")
         lines += [f"  {k:<16}{v / GB:8.2f}" for k, v in self.trainer.items()]
@@ -247,43 +210,7 @@ class Plan:
 
 
 def make_plan(c: Config) -> Plan:
-    shape = model_shape(c)
+    shape = shape_of(c)
     dims = ParallelDims(c.trainer.num_ranks, ep=c.trainer.ep, cp=c.trainer.cp)
     other = _activations(shape, c, not c.trainer.activation_checkpointing)
     return Plan(c, shape, dims, trainer_memory(shape, c), engine_memory(shape, c), other)
-
-
-def needs(c: Config) -> tuple[float, float]:
-    """(GPUs, CPUs) that the run's bundles ask of the cluster."""
-    t, r = c.trainer, c.rollout
-    return (t.num_ranks * t.gpus_per_rank + r.num_actors * r.gpus_per_actor,
-            t.num_ranks * t.cpus_per_rank + r.num_actors * r.cpus_per_actor)
-
-
-def is_local(c: Config) -> bool:
-    return c.cluster.address is None and not os.environ.get("RAY_ADDRESS")
-
-
-def check_local(c: Config, command: str = "python -m rlray.launch ...") -> None:
-    """A local Ray cluster gets exactly the GPUs torch sees and `cluster.num_cpus` CPUs."""
-    if not is_local(c):
-        return
-    t, r = c.trainer, c.rollout
-    need, cpus = needs(c)
-    seen = 0
-    if need or c.cluster.num_gpus:
-        import torch
-
-        seen = torch.cuda.device_count()
-    if c.cluster.num_gpus is not None and c.cluster.num_gpus > seen:
-        raise ConfigError(f"cluster.num_gpus={c.cluster.num_gpus} but torch sees {seen} GPUs here; a local Ray "
-                          "cluster cannot declare GPUs that do not exist (leave cluster.num_gpus unset)")
-    if need > seen:
-        raise ConfigError(f"run '{c.run.name}' needs {need:g} GPUs (trainer {t.num_ranks} x {t.gpus_per_rank:g}, "
-                          f"rollout {r.num_actors} x {r.gpus_per_actor:g}) but torch sees {seen} on this machine; "
-                          f"submit it to a Ray cluster (ray job submit --address http://HEAD:8265 --working-dir . -- "
-                          f"{command}), or run its CPU twin here ({command} +twin={'cpu_cp' if t.cp > 1 else 'cpu'})")
-    if cpus > c.cluster.num_cpus:
-        raise ConfigError(f"trainer ({t.num_ranks}x{t.cpus_per_rank:g}) + rollout ({r.num_actors}x"
-                          f"{r.cpus_per_actor:g}) need {cpus:g} CPUs but cluster.num_cpus={c.cluster.num_cpus}; "
-                          "raise cluster.num_cpus or lower the counts")

@@ -12,7 +12,8 @@ Contract:
   `return_token_ids: true`); logprobs are the engine's `processed_logprobs`.
 - Every finished request's weight-version spans (which policy version sampled which
   output tokens; vLLM labels them, see `Engine.finish_weight_update`) are kept by response id:
-  `versions(response_id, num_tokens)` returns one version per output token.
+  `versions(response_id, num_tokens)` returns one version per output token; with routing capture
+  (MoE), `routing(response_id, num_tokens)` the experts of every position of prompt + completion.
 - A tokenizer without a chat template gets `PLAIN_CHAT_TEMPLATE` (bos, then every
   message's text; an assistant turn ends with eos; tool calls are written `name(args)`),
   which together with the `rlray` tool-call parser (rlray.envs.tool_parser) lets the
@@ -26,6 +27,8 @@ import asyncio
 import socket
 from collections import OrderedDict
 from typing import Any
+
+from rlray.envs.base import SERVED_MODEL
 
 PLAIN_CHAT_TEMPLATE = (
     "{{ bos_token }}"
@@ -44,33 +47,48 @@ PLAIN_CHAT_TEMPLATE = (
     "{% endfor %}"
 )
 
-SERVED_MODEL_NAME = "rlray"
 
 
 class _VersionTracking:
     """The engine client the server sees: the `AsyncLLM` itself, plus a record of the
-    weight-version spans of every finished request (keyed by request id = response id)."""
+    weight-version spans and the routing (MoE, `Engine.capture_routing`) of every finished
+    request (keyed by request id = response id)."""
 
-    def __init__(self, llm: Any, capacity: int = 65536) -> None:
-        self._llm = llm
+    def __init__(self, engine: Any, capacity: int = 65536) -> None:
+        self._engine, self._llm = engine, engine.llm
         self._spans: OrderedDict[str, dict[int, list]] = OrderedDict()
+        self._routing: OrderedDict[str, dict[int, Any]] = OrderedDict()
         self._capacity = capacity
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._llm, name)
 
     async def generate(self, prompt: Any, sampling_params: Any, request_id: str, *args: Any, **kwargs: Any):
-        async for out in self._llm.generate(prompt, sampling_params, request_id, *args, **kwargs):
-            for c in out.outputs:
-                if c.weight_versions is not None:
-                    self._spans.setdefault(request_id, {})[c.index] = list(c.weight_versions)
-            if out.finished and len(self._spans) > self._capacity:
-                self._spans.popitem(last=False)
-            yield out
+        routing: dict[int, Any] = {}
+        try:
+            async for out in self._llm.generate(prompt, sampling_params, request_id, *args, **kwargs):
+                for c in out.outputs:
+                    if c.weight_versions is not None:
+                        self._spans.setdefault(request_id, {})[c.index] = list(c.weight_versions)
+                self._engine.keep_routing(routing, out)
+                if out.finished and len(self._spans) > self._capacity:
+                    self._spans.popitem(last=False)
+                if out.finished and self._engine.capture_routing:  # before the response, which a caller may read
+                    self._routing[request_id] = await self._engine.finished_routing(request_id, routing)
+                    if len(self._routing) > self._capacity:
+                        self._routing.popitem(last=False)
+                yield out
+        finally:
+            if self._engine.capture_routing and request_id not in self._routing:  # cancelled: forget it
+                await self._engine.finished_routing(request_id, routing)
 
     def pop_spans(self, request_id: str, index: int = 0) -> list | None:
         spans = self._spans.pop(request_id, None)
         return None if spans is None else spans.get(index)
+
+    def pop_routing(self, request_id: str, index: int = 0) -> Any:
+        routing = self._routing.pop(request_id, None)
+        return None if routing is None else routing.get(index)
 
 
 def spans_to_versions(spans: list | None, num_tokens: int, default: int) -> list[int]:
@@ -116,7 +134,7 @@ class OpenAIServer:
 
     @classmethod
     async def start(cls, engine: Any, *, host: str = "127.0.0.1", port: int = 0, chat_template: str | None = None,
-                    tool_call_parser: str | None = None, model_name: str = SERVED_MODEL_NAME) -> OpenAIServer:
+                    tool_call_parser: str | None = None, model_name: str = SERVED_MODEL) -> OpenAIServer:
         import uvicorn
         from vllm.entrypoints.launchers.api_server.app_state import init_app_state
         from vllm.entrypoints.launchers.app import build_app
@@ -143,7 +161,7 @@ class OpenAIServer:
         sock = _bind(host, port)
         port = sock.getsockname()[1]
         args.host, args.port = host, port
-        tracking = _VersionTracking(llm)
+        tracking = _VersionTracking(engine)
         tasks = await llm.get_supported_tasks()
         app = build_app(args, tasks, llm.model_config)
         await init_app_state(tracking, app.state, args, tasks)
@@ -158,6 +176,13 @@ class OpenAIServer:
 
     def versions(self, response_id: str, num_tokens: int, default: int, index: int = 0) -> list[int]:
         return spans_to_versions(self.tracking.pop_spans(response_id, index), num_tokens, default)
+
+    def routing(self, response_id: str, num_tokens: int, index: int = 0) -> Any:
+        """The routing of a finished response's prompt + completion (`num_tokens` positions; None without)."""
+        from rlray.actors.engine import fit_routing
+
+        r = self.tracking.pop_routing(response_id, index)
+        return None if r is None else fit_routing(r, num_tokens)
 
     async def stop(self) -> None:
         self.server.should_exit = True

