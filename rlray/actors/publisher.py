@@ -7,8 +7,12 @@ gathers one full parameter at a time (dense and EP/FSDP-sharded experts alike), 
 `wire_dtype` (the engines' dtype: bf16 halves the bytes) and on the default CUDA stream whatever
 stream the sender pulls from (rlray.weightsync.transport.on_default_stream); rank 0 sends them and
 drives the engines' start, update and finish, labelled `version`. Returns the seconds and, on
-rank 0, the bytes sent. `close()` leaves the group (safe from another thread while a sync is in
-flight: the trainer's control thread). `source()` is the `WeightSource` vLLM's engines read.
+rank 0, the bytes sent. With LoRA (`lora`, the adapters' PEFT config) an RL sync moves only the
+adapters (PEFT's names; the engines keep them, rlray.weightsync.lora), preceded by the base
+(checkpoint names) when the group's engines do not hold it yet (a new group: start, resume, a
+replaced engine); SFT's syncs (`stage`) move the base it trains. `close()` leaves the group
+(safe from another thread while a sync is in flight: the trainer's control thread). `source()`
+is the `WeightSource` vLLM's engines read.
 """
 
 from __future__ import annotations
@@ -20,20 +24,34 @@ from typing import Any
 
 import torch
 
+from rlray.models.lora import checkpoint_name, is_adapter, peft_name
 from rlray.weightsync.transport import TrainerSpec, on_default_stream
 
 
 class WeightPublisher:
-    def __init__(self, model: torch.nn.Module, device: torch.device, rank: int, wire_dtype: torch.dtype | None) -> None:
+    def __init__(self, model: torch.nn.Module, device: torch.device, rank: int, wire_dtype: torch.dtype | None,
+                 lora: dict[str, Any] | None = None) -> None:
         self.model, self.device, self.rank, self.wire_dtype = model, device, rank, wire_dtype
+        self.lora = lora  # the adapters' PEFT config (rlray.models.lora.adapter_config); None: no LoRA
         self.transfer: Any = None  # this rank's TrainerWeightTransferEngine
         self.client: Any = None
+        self.stage = "rl"  # with LoRA, RL syncs move the adapters; SFT's the base it trains
+        self.adapters = False  # what the sync in progress moves: the adapters, or the (base) weights
+        self.base_synced = False  # the engines of this weight group hold the trainer's base
+
+    def _sent(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
+        """(name on the wire, parameter) of what the sync in progress moves."""
+        for name, p in self.model.named_parameters():
+            if self.lora is None:
+                yield name, p
+            elif is_adapter(name) == self.adapters:  # the engines know PEFT's names and the checkpoint's
+                yield (peft_name(name) if self.adapters else checkpoint_name(name)), p
 
     def full_params(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """One full parameter at a time, in `dtype` (cast before the gather), gathered on the default stream."""
 
         def gathered() -> Iterator[tuple[str, torch.Tensor]]:
-            for name, p in self.model.named_parameters():
+            for name, p in self._sent():
                 p = p.detach() if dtype is None else p.detach().to(dtype)
                 yield name, p.full_tensor() if hasattr(p, "full_tensor") else p
 
@@ -42,7 +60,7 @@ class WeightPublisher:
     def _wire_meta(self) -> list[Any]:
         from vllm.distributed.weight_transfer.base import ParamMeta
 
-        return [ParamMeta(n, self.wire_dtype or p.dtype, tuple(p.shape)) for n, p in self.model.named_parameters()]
+        return [ParamMeta(n, self.wire_dtype or p.dtype, tuple(p.shape)) for n, p in self._sent()]
 
     def source(self) -> Any:
         """Every parameter's metadata in the wire dtype, and a fresh gathered pass of the full tensors."""
@@ -56,6 +74,7 @@ class WeightPublisher:
         self.close()
         self.client = client
         self.transfer = trainer_engine(spec, self.rank, client, self.source())
+        self.base_synced = False  # new engines hold the model's own base
 
     def close(self) -> None:
         if self.transfer is not None:
@@ -64,13 +83,26 @@ class WeightPublisher:
 
     @torch.no_grad()
     def publish(self, version: int) -> dict[str, float]:
+        """One sync labelled `version`; with LoRA in RL, the adapters (after the base, when this weight
+        group's engines do not hold it yet); otherwise every weight."""
         assert self.transfer is not None, "open the weight group before publishing"
         t0 = time.perf_counter()
         self.client.weight_version = str(version)
-        self.transfer.send_weights()
+        rounds = [False] if self.lora is None or self.stage != "rl" else [True] if self.base_synced else [False, True]
+        sent = 0.0
+        for adapters in rounds:
+            self.adapters = adapters
+            self.client.adapter = self.lora if adapters else None
+            self.transfer.send_weights()
+            sent += self._stats()["sync_bytes"]
+        self.base_synced = True
         seconds = time.perf_counter() - t0
-        stats = getattr(self.transfer, "stats", None)  # rlray's gloo engine counts; vLLM's NCCL one sends all
-        if not stats:
-            stats = {"sync_bytes": float(sum(math.prod(m.shape) * m.dtype.itemsize for m in self._wire_meta())),
-                     "changed_frac": 1.0, "full": 1.0}
+        stats = {**self._stats(), "sync_bytes": sent}
         return {"sync_seconds": seconds, **(stats if self.rank == 0 else {"sync_bytes": 0.0})}
+
+    def _stats(self) -> dict[str, float]:
+        stats = getattr(self.transfer, "stats", None)  # rlray's gloo engine counts; vLLM's NCCL one sends all
+        if stats:
+            return dict(stats)
+        return {"sync_bytes": float(sum(math.prod(m.shape) * m.dtype.itemsize for m in self._wire_meta())),
+                "changed_frac": 1.0, "full": 1.0}

@@ -20,7 +20,8 @@ Contract:
   `VLLMWeightSyncClient` calls (rlray.orchestration.fleet.FleetClient, driven from trainer rank 0):
   `init_weight_transfer_engine(info)` joins the weight group (`workers()` ranks),
   `shutdown_weight_transfer_engine()` leaves it (it is re-formed when an actor is replaced);
-  `start_weight_update()` pauses generation (in-flight requests are kept), `update_weights(info)`
+  `start_weight_update(adapter)` pauses generation (in-flight requests are kept; `adapter`: the sync
+  moves the LoRA adapter of that PEFT config, the engine started with `lora_rank`), `update_weights(info)`
   loads what the trainer sends, `finish_weight_update(version)` clears the prefix cache,
   labels the weights and resumes with the new version. `stats()["loading"]` stays True after
   a sync that broke off between start and finish.
@@ -84,8 +85,10 @@ def cpu_binding(workers: int, cores: list[int] | None = None) -> str:
 
 class RolloutActor:
     def __init__(self, index: int, num_actors: int, model: ModelConfig, rollout: RolloutConfig,
-                 env: EnvConfig, seed: int, run_seed: int = 0, weights_backend: str = "gloo") -> None:
+                 env: EnvConfig, seed: int, run_seed: int = 0, weights_backend: str = "gloo",
+                 lora_rank: int = 0) -> None:
         self.index, self.num_actors, self.run_seed = index, num_actors, run_seed
+        self.lora_rank = lora_rank  # > 0: the engine serves the trainer's LoRA adapter (trainer.lora.rank)
         self.model_cfg, self.cfg, self.env_cfg, self.seed = model, rollout, env, seed
         self.version = 0
         self.weights_backend = weights_backend
@@ -117,7 +120,8 @@ class RolloutActor:
         self.engine = await Engine.create(path, max_model_len=self.cfg.max_model_len, seed=self.seed + self.index,
                                           kv_cache_fraction=self.cfg.kv_cache_fraction,
                                           weights_backend=self.weights_backend, engine_kwargs=self._engine_kwargs(),
-                                          capture_routing=num_experts(AutoConfig.from_pretrained(path)) > 0)
+                                          capture_routing=num_experts(AutoConfig.from_pretrained(path)) > 0,
+                                          lora_rank=self.lora_rank)
         parser = self.env_cfg.tool_call_parser
         if parser == "auto":
             parser = "rlray" if template == PLAIN_CHAT_TEMPLATE else None
@@ -254,9 +258,9 @@ class RolloutActor:
     async def shutdown_weight_transfer_engine(self) -> None:
         await self._serving(self.engine.shutdown_weight_transfer())
 
-    async def start_weight_update(self) -> None:
+    async def start_weight_update(self, adapter: dict[str, Any] | None = None) -> None:
         self.loading = True  # until finish_weight_update: a sync that breaks off leaves it set
-        await self._serving(self.engine.start_weight_update())
+        await self._serving(self.engine.start_weight_update(adapter))
 
     async def update_weights(self, update_info: dict[str, Any]) -> None:
         await self._serving(self.engine.update_weights(update_info))

@@ -14,6 +14,7 @@ Contract:
   output tokens; vLLM labels them, see `Engine.finish_weight_update`) are kept by response id:
   `versions(response_id, num_tokens)` returns one version per output token; with routing capture
   (MoE), `routing(response_id, num_tokens)` the experts of every position of prompt + completion.
+  With LoRA every request is served with the engine's current adapter (`Engine.lora`).
 - A tokenizer without a chat template gets `PLAIN_CHAT_TEMPLATE` (bos, then every
   message's text; an assistant turn ends with eos; tool calls are written `name(args)`),
   which together with the `rlray` tool-call parser (rlray.envs.tool_parser) lets the
@@ -65,6 +66,8 @@ class _VersionTracking:
 
     async def generate(self, prompt: Any, sampling_params: Any, request_id: str, *args: Any, **kwargs: Any):
         routing: dict[int, Any] = {}
+        if self._engine.lora is not None:  # the policy's LoRA adapter, whatever model name the request gave
+            kwargs["lora_request"] = self._engine.lora
         try:
             async for out in self._llm.generate(prompt, sampling_params, request_id, *args, **kwargs):
                 for c in out.outputs:

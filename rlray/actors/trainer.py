@@ -33,6 +33,7 @@ from rlray.actors.learner import Learner
 from rlray.actors.publisher import WeightPublisher
 from rlray.config import AlgoConfig, ModelConfig, TrainerConfig
 from rlray.models.load import build_model
+from rlray.models.lora import adapted_modules, adapter_config
 from rlray.models.tiny import model_path
 from rlray.parallel.dims import ParallelDims
 from rlray.parallel.group import check_own_gpu, open_trainer_group, serve_store
@@ -74,7 +75,8 @@ class TrainerActor:
         model = build_model(path, dims, self.cfg, self.device)
         ref = build_model(path, dims, self.cfg, self.device).requires_grad_(False) if self.algo.kl_coef > 0 else None
         self.learner = Learner(model, ref, dims, self.cfg, self.algo, self.temperature, self.device)
-        self.publisher = WeightPublisher(model, self.device, self.rank, self.wire_dtype)
+        lora = adapter_config(self.cfg.lora, adapted_modules(model), path) if self.cfg.lora.enabled else None
+        self.publisher = WeightPublisher(model, self.device, self.rank, self.wire_dtype, lora)
         n = sum(p.numel() for p in model.parameters())  # DTensor numel is the full size
         return {"rank": self.rank, "pid": os.getpid(), "params_approx": int(n)}
 
@@ -86,8 +88,9 @@ class TrainerActor:
         return os.getpid()
 
     # ---- training (rlray.actors.learner) --------------------------------------------------
-    def set_stage(self, lr: float, warmup_steps: int) -> None:
-        self.learner.set_stage(lr, warmup_steps)
+    def set_stage(self, lr: float, warmup_steps: int, stage: str = "rl") -> None:
+        self.learner.set_stage(lr, warmup_steps, stage)
+        self.publisher.stage = stage
 
     def train_step(self, micro_batches: list[MicroBatch]) -> dict[str, float]:
         return self.learner.train_step(micro_batches)

@@ -197,6 +197,7 @@ class EngineClient:
                  on_loaded: Callable[[], None] | None = None) -> None:
         self.loop, self.engines, self.timeout_s, self.on_loaded = loop, engines, timeout_s, on_loaded
         self.weight_version = "0"
+        self.adapter: dict[str, Any] | None = None  # set before a sync that moves a LoRA adapter
         self.paused_seconds: list[float] = []
 
     def _all(self, calls: list[Coroutine[Any, Any, T]]) -> list[T]:
@@ -212,7 +213,7 @@ class EngineClient:
         self._all([e.init_weight_transfer({**init_info, "rank_offset": o}) for e, o in zip(self.engines, offsets)])
 
     def start_weight_update(self) -> None:
-        self._all([e.start_weight_update() for e in self.engines])
+        self._all([e.start_weight_update(self.adapter) for e in self.engines])
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         self._all([e.update_weights(update_info) for e in self.engines])

@@ -17,6 +17,7 @@ from rlray.config.schema import (
     EnvSpec,
     EvalConfig,
     LoggingConfig,
+    LoraConfig,
     ModelConfig,
     RLConfig,
     RolloutConfig,
@@ -27,6 +28,6 @@ from rlray.config.schema import (
 )
 
 __all__ = ["RECIPES_DIR", "AlgoConfig", "AsyncConfig", "CheckpointConfig", "ClusterConfig", "Config", "ConfigError",
-           "EnvConfig", "EnvSpec", "EvalConfig", "LoggingConfig", "ModelConfig", "RLConfig", "RolloutConfig",
+           "EnvConfig", "EnvSpec", "EvalConfig", "LoggingConfig", "LoraConfig", "ModelConfig", "RLConfig", "RolloutConfig",
            "RunConfig", "SFTConfig", "TrainerConfig", "WeightSyncConfig", "backend", "engine_workers", "recipe_names",
            "register", "schema_node", "to_config", "validate"]

@@ -135,7 +135,31 @@ def validate(c: Config) -> None:
     _require(not c.weights.delta or backend(c) == "gloo",
              "weights.delta=true runs on the gloo weight path (CPU) only: on GPUs it needs vLLM's sparse_nccl "
              "engine, which rlray does not drive yet; set weights.delta=false")
+    _check_lora(c)
     _require(c.trainer.param_dtype in ("float32", "bfloat16", "float16"),
              f"trainer.param_dtype='{c.trainer.param_dtype}'; choose float32, bfloat16 or float16")
     _require(c.rollout.dtype in ("float32", "bfloat16", "float16"),
              f"rollout.dtype='{c.rollout.dtype}'; choose float32, bfloat16 or float16")
+
+
+def _check_lora(c: Config) -> None:
+    """trainer.lora's own keys; whether its targets exist is the model's (rlray.models.lora, in the plan)."""
+    lora = c.trainer.lora
+    _require(lora.rank >= 0, f"trainer.lora.rank={lora.rank} must be >= 0 (0: train the full weights)")
+    if not lora.enabled:
+        return
+    _require(lora.rank <= 512, f"trainer.lora.rank={lora.rank}: vLLM serves adapters up to rank 512")
+    _require(lora.alpha > 0, f"trainer.lora.alpha={lora.alpha:g} must be > 0")
+    _require(lora.target_modules is None or bool(lora.target_modules),
+             "trainer.lora.target_modules is empty; name the layers that get an adapter (e.g. [q_proj,v_proj]) or "
+             "leave it null (every attention and dense-MLP projection)")
+    _require(lora.dropout == 0 or "rl" not in c.stages,
+             f"trainer.lora.dropout={lora.dropout:g}: RL needs 0 (the engine samples without dropout, so the "
+             "trainer's logprobs would not be the sampler's); set trainer.lora.dropout=0")
+    _require(lora.base_dtype in ("float32", "bfloat16", "float16"),
+             f"trainer.lora.base_dtype='{lora.base_dtype}'; choose float32, bfloat16 or float16")
+    _require(lora.base_dtype == "float32" or "sft" not in c.stages,
+             f"trainer.lora.base_dtype={lora.base_dtype}: the sft stage trains the full weights, which need float32 "
+             "masters; set trainer.lora.base_dtype=float32 or drop sft from stages")
+    _require(not c.weights.delta, "weights.delta=true with trainer.lora.rank > 0: a LoRA sync sends only the "
+                                  "adapters already; set weights.delta=false")

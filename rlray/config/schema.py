@@ -39,6 +39,28 @@ class ModelConfig:
 
 
 @dataclass
+class LoraConfig:
+    """trainer.lora: low-rank adapters on a frozen base (PEFT); rank 0 trains the full weights."""
+
+    rank: int = 0
+    alpha: float = 16.0  # the adapter's output is scaled by alpha / rank
+    dropout: float = 0.0  # must be 0 in RL: the engine samples without dropout
+    # module names (the last part of the name); null: every attention and dense-MLP projection the model
+    # has (DEFAULT_TARGETS). MoE experts never take an adapter (rlray.models.lora)
+    target_modules: list[str] | None = None
+    # the frozen base's dtype; null: trainer.param_dtype, or float32 when the sft stage trains the base
+    # (with LoRA, SFT trains the full weights and RL the adapters on that base)
+    base_dtype: str | None = None
+
+    DEFAULT_TARGETS: ClassVar[tuple[str, ...]] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                                  "down_proj")
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+
+@dataclass
 class TrainerConfig:
     num_ranks: int = 2
     cpus_per_rank: float = 1.0
@@ -55,6 +77,7 @@ class TrainerConfig:
     cp: int = 1  # context parallelism: ranks that split each sequence (divides num_ranks; they share a batch)
     activation_checkpointing: bool = False  # recompute each decoder layer's activations in backward
     router_replay: bool = False  # MoE (R3): every token goes through the experts the engine routed it to
+    lora: LoraConfig = field(default_factory=LoraConfig)
     node_labels: dict[str, str] = field(default_factory=dict)  # ranks only on Ray nodes with these labels
     max_nonfinite_steps: int = 3  # NaN/inf loss or gradient: the step is skipped; this many in a row stop the run
     # The trainer's own process group (FSDP, EP and CP collectives, the barrier behind rank 0's HF export):
@@ -290,3 +313,8 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    def __post_init__(self) -> None:
+        lora = self.trainer.lora
+        if lora.base_dtype is None:
+            lora.base_dtype = "float32" if "sft" in self.stages else self.trainer.param_dtype

@@ -6,10 +6,11 @@ builds the model on the meta device, applies `rlray.parallel.parallelize` (EP, a
 checkpointing, FSDP2), allocates only this rank's shards on `device`, and fills each one
 from the checkpoint's safetensors files, reading just the slice that shard covers
 (safetensors slices are memory-mapped reads). Master weights are fp32 whatever the
-checkpoint's dtype. Fused expert weights (`experts.gate_up_proj` (E, 2I, H),
-`experts.down_proj` (E, H, I)) load from either layout on disk: fused, or one tensor per
-expert (`experts.<e>.gate_proj.weight`, ...: what the hub checkpoints and transformers'
-`save_pretrained` write). `resident_bytes(model)` counts the parameter bytes this rank holds.
+checkpoint's dtype; with LoRA (`trainer.lora.rank > 0`, rlray.models.lora) the frozen base is held
+in `trainer.lora.base_dtype` and the adapters, not in the checkpoint, start as PEFT's. Fused expert
+weights (`experts.gate_up_proj` (E, 2I, H), `experts.down_proj` (E, H, I)) load from either
+layout on disk: fused, or one tensor per expert (`experts.<e>.gate_proj.weight`, ...: what the hub
+checkpoints and transformers' `save_pretrained` write). `resident_bytes(model)` counts the parameter bytes this rank holds.
 """
 
 from __future__ import annotations
@@ -27,10 +28,11 @@ from torch.distributed.tensor import DTensor
 
 from rlray.config import TrainerConfig
 from rlray.models.attention import PACKED, packed_attention
+from rlray.models.lora import apply_lora, checkpoint_name, init_adapters, is_adapter
 from rlray.parallel import context
 from rlray.parallel.dims import ParallelDims
 from rlray.parallel.hf import init_non_persistent_buffers, register_attention
-from rlray.parallel.parallelize import parallelize
+from rlray.parallel.parallelize import DTYPES, parallelize
 
 FUSED = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<param>gate_up_proj|down_proj)$")
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # offsets, sizes
@@ -79,11 +81,18 @@ def build_model(path: str, dims: ParallelDims, cfg: TrainerConfig, device: torch
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32,
                                                  attn_implementation=attention_for(device, dims, cfg.param_dtype))
+    if cfg.lora.enabled:
+        apply_lora(model, cfg.lora)
+        for p in model.parameters():  # a frozen base needs no fp32 master (unless SFT trains it)
+            if not p.requires_grad:
+                p.data = p.data.to(DTYPES[cfg.lora.base_dtype or cfg.param_dtype])
     parallelize(model, dims, cfg)
     model.to_empty(device=device)
     init_non_persistent_buffers(model)
     with SafetensorsReader(folder) as reader:
         load_shards(model, reader)
+    if cfg.lora.enabled:
+        init_adapters(model, cfg.seed)
     return model
 
 
@@ -161,10 +170,12 @@ def _persistent(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
 @torch.no_grad()
 def load_shards(model: nn.Module, reader: SafetensorsReader) -> None:
     for name, tensor in _persistent(model):
+        if is_adapter(name):  # not in the base's checkpoint: rlray.models.lora.init_adapters
+            continue
         box = _box(tensor)
         local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
         if local.numel():
-            local.copy_(reader.read(name, box).reshape(local.shape))
+            local.copy_(reader.read(checkpoint_name(name), box).reshape(local.shape))
 
 
 def resident_bytes(model: nn.Module) -> int:

@@ -8,7 +8,8 @@ layer's dense and expert parts, `active_params` (what one token uses: embedding 
 included, top-k of the routed experts), and the matrices a token is multiplied through
 (`matrix_params`, `active_matrix_params`: the output head but not the embedding lookup; the FLOPs
 of a step are 6 x the active ones plus attention's), and the MoE layers whose routing a token
-carries (`moe_layers`, `routing_bytes`).
+carries (`moe_layers`, `routing_bytes`); given `trainer.lora`, the adapters' parameters
+(`lora_params`; rlray.models.lora's `ValueError` for targets the model lacks).
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from rlray.config import LoraConfig
+from rlray.models.lora import adapter_params
 from rlray.parallel.dims import num_experts
 from rlray.types import route_dtype
 
@@ -34,6 +37,7 @@ class ModelShape:
     embedding_params: int  # the input embedding, when not tied to the head (a lookup, not a matmul)
     hf: Any = field(repr=False)
     moe_layers: int = 0  # decoder layers with routed experts
+    lora_params: int = 0  # the adapters' parameters when trainer.lora.rank > 0 (on top of `params`)
 
     @property
     def routing_bytes(self) -> int:
@@ -62,7 +66,7 @@ class ModelShape:
         return int(getattr(self.hf, key, None) or default)
 
 
-def model_shape(hf: Any, name: str = "", source: str = "") -> ModelShape:
+def model_shape(hf: Any, name: str = "", source: str = "", lora: LoraConfig | None = None) -> ModelShape:
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -83,7 +87,8 @@ def model_shape(hf: Any, name: str = "", source: str = "") -> ModelShape:
     return ModelShape(name, source, type(model).__name__, total, sum(experts.values()),
                       total - sum(t for t, _ in per_layer), dense - routed, routed,
                       sum(p.numel() for p in model.parameters() if p.dim() >= 2),
-                      0 if tied else embedding.numel(), hf, len(experts))
+                      0 if tied else embedding.numel(), hf, len(experts),
+                      adapter_params(model, lora) if lora is not None and lora.enabled else 0)
 
 
 def human(n: float) -> str:

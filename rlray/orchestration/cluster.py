@@ -200,7 +200,8 @@ def spawn_rollout(c: Config, index: int, pg: PlacementGroup, incarnation: int = 
     return ray.remote(RolloutActor).options(
         name=rollout_name(index, incarnation), num_cpus=r.cpus_per_actor, num_gpus=r.gpus_per_actor, max_concurrency=1000,
         scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=index),
-    ).remote(index, r.num_actors, c.model, r, c.env, c.run.seed + 1000 * incarnation, c.run.seed, backend(c))
+    ).remote(index, r.num_actors, c.model, r, c.env, c.run.seed + 1000 * incarnation, c.run.seed, backend(c),
+             c.trainer.lora.rank)
 
 
 def teardown(h: Handles) -> None:

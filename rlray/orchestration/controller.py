@@ -149,7 +149,7 @@ class Controller:
 
     def sft(self) -> None:
         s = self.c.sft
-        ray.get([t.set_stage.remote(s.lr, s.warmup_steps) for t in self.h.trainers])
+        ray.get([t.set_stage.remote(s.lr, s.warmup_steps, "sft") for t in self.h.trainers])
         reward = 0.0
         for step in range(s.max_steps):
             t0 = time.perf_counter()
@@ -187,7 +187,7 @@ class Controller:
         return {**meta, "path": str(path)}
 
     def _rl_begin(self, resume: dict[str, Any] | None) -> int:
-        ray.get([t.set_stage.remote(self.c.trainer.lr, 0) for t in self.h.trainers])
+        ray.get([t.set_stage.remote(self.c.trainer.lr, 0, "rl") for t in self.h.trainers])
         if resume is None:
             self.version = 0
             self.sync(0)

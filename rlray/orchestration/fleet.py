@@ -79,11 +79,12 @@ class FleetClient:
     `rank_offset` plus the workers of engines 0..i-1: vLLM's own Ray client gives every handle
     the same offset, which fits the replicas of one engine, not independent engines.
     `weight_version`, set before each sync, labels the weights at finish (vLLM's NCCL trainer
-    engine finishes without one)."""
+    engine finishes without one); `adapter`, set before each sync, says it moves a LoRA adapter."""
 
     def __init__(self, handles: list[Any], workers: list[int], timeout_s: float) -> None:
         self.handles, self.workers, self.timeout_s = handles, workers, timeout_s
         self.weight_version = "0"
+        self.adapter: dict[str, Any] | None = None  # set before each sync: the LoRA adapter's config, or None
 
     def _all(self, refs: list[Any]) -> list[Any]:
         return ray.get(refs, timeout=self.timeout_s)
@@ -94,7 +95,7 @@ class FleetClient:
                    for h, offset in zip(self.handles, offsets)])
 
     def start_weight_update(self) -> None:
-        self._all([h.start_weight_update.remote() for h in self.handles])
+        self._all([h.start_weight_update.remote(self.adapter) for h in self.handles])
 
     def update_weights(self, update_info: dict[str, Any] | list[dict[str, Any]]) -> None:
         self._all([h.update_weights.remote(update_info) for h in self.handles])

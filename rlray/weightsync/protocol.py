@@ -9,8 +9,12 @@ On GPUs rlray uses vLLM's own "nccl" engines; none of vLLM's engines runs on CPU
 module adds "gloo", and CPU and GPU differ by the backend name only (`cluster.backend`).
 
 Contract:
-- `register()` adds "gloo" to vLLM's worker and trainer factories (idempotent). vLLM calls it
-  in every process it starts through the `vllm.general_plugins` entry point in pyproject.toml.
+- `register()` adds "gloo" to vLLM's worker and trainer factories, and "rlray_nccl" (vLLM's
+  NCCL worker engine with LoRA adapter updates, rlray.weightsync.nccl_lora) to its worker factory
+  (idempotent). vLLM calls it in every process it starts through the `vllm.general_plugins`
+  entry point in pyproject.toml.
+- LoRA: both worker engines keep an update announced as an adapter instead of loading it
+  (rlray.weightsync.lora.AdapterUpdates).
 - Worker side (`GlooWeightTransferEngine`): init joins the weight group as `rank_offset` + the
   worker's global rank (vLLM's rule for its NCCL engine); each update's info is the bucket
   plan (`rlray.weightsync.transport.plan_to_wire`), received bucket by bucket into pooled buffers (kept
@@ -63,6 +67,7 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from rlray.weightsync.delta import apply_delta, delta_tensors, positions_first
+from rlray.weightsync.lora import AdapterUpdates
 from rlray.weightsync.transport import (
     BUCKET_BYTES,
     TrainerSpec,
@@ -75,19 +80,23 @@ from rlray.weightsync.transport import (
 )
 
 BACKEND = "gloo"
+NCCL_LORA = "rlray_nccl"  # the workers' end of vLLM's nccl engine, with LoRA adapter updates
 
 
 def register() -> None:
-    """Add backend "gloo" to vLLM's weight-transfer factories (the vLLM plugin entry point)."""
+    """Add backend "gloo" to vLLM's weight-transfer factories and "rlray_nccl" to its worker
+    factory (the vLLM plugin entry point)."""
     from vllm.distributed.weight_transfer.factory import (
         WeightTransferEngineFactory,
         WeightTransferTrainerFactory,
     )
 
-    for factory, cls in ((WeightTransferEngineFactory, GlooWeightTransferEngine),
-                         (WeightTransferTrainerFactory, GlooTrainerWeightTransferEngine)):
+    for factory, name, engine in ((WeightTransferEngineFactory, BACKEND, (GlooWeightTransferEngine,)),
+                                  (WeightTransferTrainerFactory, BACKEND, (GlooTrainerWeightTransferEngine,)),
+                                  (WeightTransferEngineFactory, NCCL_LORA,  # imported when vLLM builds one
+                                   ("rlray.weightsync.nccl_lora", "NCCLAdapterWeightTransferEngine"))):
         try:
-            factory.register_engine(BACKEND, cls)
+            factory.register_engine(name, *engine)
         except ValueError:  # registered already (a second import of the plugin)
             pass
 
@@ -123,8 +132,8 @@ class GlooUpdateInfo(WeightTransferUpdateInfo):
     delta: bool = False  # the plan holds patches (rlray.weightsync.delta.delta_tensors), not every weight
 
 
-class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo]):
-    """One vLLM worker's end of the gloo weight group."""
+class GlooWeightEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo]):
+    """One vLLM worker's end of the gloo weight group, for base weights."""
 
     init_info_cls = GlooInitInfo
     update_info_cls = GlooUpdateInfo
@@ -181,6 +190,10 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         if self.receiver is not None:
             self.receiver.group.close()
             self.receiver = None
+
+
+class GlooWeightTransferEngine(AdapterUpdates, GlooWeightEngine):
+    """The gloo engine vLLM builds ("gloo"): base weights, and LoRA adapters kept (AdapterUpdates)."""
 
 
 def _refresh_tied_head(model: torch.nn.Module, model_config: Any) -> None:

@@ -111,7 +111,7 @@ def test_routing_records_merge_first_routing_first() -> None:
     internal request ids map back to ours and the completion index; turns overlay earlier-first."""
     import numpy as np
 
-    from rlray.actors.engine import external_request, merge_routing
+    from rlray.actors.extension import external_request, merge_routing
     from rlray.types import no_route, overlay_routing, route_dtype
 
     u8 = route_dtype(128)
