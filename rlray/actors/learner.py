@@ -73,6 +73,7 @@ class Learner:
                              "trainer.router_replay=false")
         self.loss_fn = get_loss(algo.loss)
         self.skipped_steps = self.nonfinite_in_a_row = 0  # optimizer steps not applied: NaN/inf loss or gradient
+        self.base_trained = False  # with LoRA: the base is no longer the model's own checkpoint (SFT trained it)
         self.set_stage(cfg.lr, 0)
 
     def set_stage(self, lr: float, warmup_steps: int, stage: str = "rl") -> None:
@@ -264,6 +265,7 @@ class Learner:
         return out
 
     def sft_step(self, micro_batches: list[MicroBatch]) -> dict[str, float]:
+        self.base_trained = self.base_trained or self.cfg.lora.enabled  # LoRA: SFT trains the base
         return self.step(micro_batches, rl=False)
 
     @torch.no_grad()

@@ -4,17 +4,26 @@ Contract (every function is a collective: every rank of the trainer calls it):
 - `save(learner, path, rank)` writes the model, optimizer, scheduler and KL reference through
   torch.distributed.checkpoint (every rank its shards) and this rank's torch, numpy and Python
   RNG states; `load(learner, path, rank)` reads them back. Both return `weights_digest(model)`.
+- LoRA (`trainer.lora.rank > 0`): a checkpoint holds the adapters (policy and reference), their
+  optimizer and scheduler, and `base.json` naming the base: the model's own checkpoint, or, when
+  SFT trained the base (`Learner.base_trained`), `BASE` beside the checkpoints, written once by the
+  first save after SFT and never pruned (rlray.orchestration.checkpoint prunes `ckpt_*` only);
+  `load` reads that base first.
 - `weights_digest(model)`: a sha256 of every rank's parameter shards, bit for bit.
-- `export_hf(model, path, rank, tokenizer_from)`: rank 0 writes a transformers folder (weights
-  and the tokenizer of `tokenizer_from`) behind a barrier: trainer.collective_timeout_s must
-  cover the write.
+- `export_hf(learner, path, rank, tokenizer_from, merged)`: rank 0 writes a transformers folder
+  (weights and the tokenizer of `tokenizer_from`) behind a barrier: trainer.collective_timeout_s
+  must cover the write. With LoRA: `path/adapter` (a PEFT adapter folder: adapter_config.json,
+  adapter_model.safetensors) on its base, `path/base` when SFT trained it, and with `merged`
+  `path/merged`, the adapters merged into the base.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import random
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -22,39 +31,99 @@ import torch
 import torch.distributed as dist
 
 from rlray.actors.learner import Learner
+from rlray.models.lora import (
+    adapted_modules,
+    adapter_config,
+    adapter_tensors,
+    base_tensors,
+    is_adapter,
+    merged_tensors,
+)
+
+BASE = "lora_base"  # beside the checkpoints: the base SFT trained, for LoRA runs
+
+
+def _lora(learner: Learner) -> bool:
+    return learner.cfg.lora.enabled
+
+
+def _model_state(model: torch.nn.Module, adapters: bool | None) -> dict[str, Any]:
+    """The model's sharded state dict: whole (None), its adapters (True) or its base (False)."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    state = get_model_state_dict(model)
+    return state if adapters is None else {k: v for k, v in state.items() if is_adapter(k) == adapters}
 
 
 def _state(learner: Learner) -> dict[str, Any]:
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+    from torch.distributed.checkpoint.state_dict import get_state_dict
 
     model, optim = get_state_dict(learner.model, learner.optimizer)
+    adapters = True if _lora(learner) else None
+    if adapters:
+        model = {k: v for k, v in model.items() if is_adapter(k)}
     state = {"model": model, "optim": optim, "scheduler": learner.scheduler.state_dict()}
     if learner.ref_model is not None:
         learner.snapshot_reference()
-        state["ref"] = get_model_state_dict(learner.ref_model)
+        state["ref"] = _model_state(learner.ref_model, adapters)
     return state
 
 
-def save(learner: Learner, path: str, rank: int) -> str:
+def _save_base(learner: Learner, root: Path, rank: int) -> None:
+    """The base SFT trained, once per run (a folder without its `done` mark is written again)."""
     import torch.distributed.checkpoint as dcp
 
+    folder = root / BASE
+    if (folder / "done").exists():
+        return
+    dcp.save({"base": _model_state(learner.model, False)}, checkpoint_id=str(folder))
+    dist.barrier()
+    if rank == 0:
+        (folder / "done").write_text("complete\n")
+
+
+def _load_base(learner: Learner, root: Path) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    state = {"base": _model_state(learner.model, False)}
+    dcp.load(state, checkpoint_id=str(root / BASE))
+    for model in (learner.model, learner.ref_model):
+        if model is not None:
+            set_model_state_dict(model, state["base"], options=StateDictOptions(strict=False))
+    learner.base_trained = True
+
+
+def save(learner: Learner, path: str, rank: int, base: str = "") -> str:
+    """`base`: the model's own checkpoint (what `base.json` names when SFT did not train the base)."""
+    import torch.distributed.checkpoint as dcp
+
+    if _lora(learner) and learner.base_trained:
+        _save_base(learner, Path(path).parent, rank)
     dcp.save(_state(learner), checkpoint_id=path)
     rng = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
     torch.save(rng, os.path.join(path, f"rng_rank{rank}.pt"))
+    if _lora(learner) and rank == 0:
+        named = f"../{BASE}" if learner.base_trained else base
+        Path(path, "base.json").write_text(json.dumps({"base": named}) + "\n")
     dist.barrier()
     return weights_digest(learner.model)
 
 
 def load(learner: Learner, path: str, rank: int) -> str:
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_state_dict
 
+    if _lora(learner) and (Path(path).parent / BASE / "done").exists():
+        _load_base(learner, Path(path).parent)
     state = _state(learner)
     dcp.load(state, checkpoint_id=path)
-    set_state_dict(learner.model, learner.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    options = StateDictOptions(strict=not _lora(learner))  # with LoRA, the adapters' part of the state
+    set_state_dict(learner.model, learner.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                   options=options)
     learner.scheduler.load_state_dict(state["scheduler"])
     if learner.ref_model is not None:
-        set_model_state_dict(learner.ref_model, state["ref"])
+        set_model_state_dict(learner.ref_model, state["ref"], options=options)
     rng = torch.load(os.path.join(path, f"rng_rank{rank}.pt"), weights_only=False)
     torch.set_rng_state(rng["torch"])
     np.random.set_state(rng["numpy"])
@@ -73,13 +142,33 @@ def weights_digest(model: torch.nn.Module) -> str:
     return hashlib.sha256("".join(str(d) for d in digests).encode()).hexdigest()[:16]
 
 
-def export_hf(model: torch.nn.Module, path: str, rank: int, tokenizer_from: str) -> None:
+def export_hf(learner: Learner, path: str, rank: int, tokenizer_from: str, merged: bool = False) -> None:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
+    model = learner.model
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if rank == 0:
         from transformers import AutoTokenizer
 
-        model.save_pretrained(path, state_dict=full)
-        AutoTokenizer.from_pretrained(tokenizer_from).save_pretrained(path)
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_from)
+        folders: dict[str, dict[str, torch.Tensor]] = {path: full}
+        if _lora(learner):
+            lora, out = learner.cfg.lora, Path(path)
+            folders = {str(out / "base"): base_tensors(full)} if learner.base_trained else {}
+            if merged:
+                folders[str(out / "merged")] = merged_tensors(full, lora)
+            base = str(out / "base") if learner.base_trained else tokenizer_from
+            _write_adapter(out / "adapter", adapter_tensors(full), adapter_config(lora, adapted_modules(model), base))
+            tokenizer.save_pretrained(out / "adapter")
+        for folder, tensors in folders.items():
+            model.save_pretrained(folder, state_dict=tensors)
+            tokenizer.save_pretrained(folder)
     dist.barrier()
+
+
+def _write_adapter(folder: Path, tensors: dict[str, torch.Tensor], config: dict[str, Any]) -> None:
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(folder / "adapter_model.safetensors"))
+    (folder / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")

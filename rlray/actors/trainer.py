@@ -13,7 +13,8 @@ Contract:
 - Training is the `Learner`'s (rlray.actors.learner): `set_stage`, `train_step`, `sft_step`,
   `forward_backward`, `logprobs`.
 - State is rlray.actors.state's: `save(dir)` / `load(dir)` (DCP shards, RNG states; both return
-  the weight digest), `weights_digest()`, `export_hf(dir)` (rank 0 writes a transformers folder).
+  the weight digest), `weights_digest()`, `export_hf(dir, merged)` (rank 0 writes a transformers
+  folder; with LoRA the adapter folder, see rlray.actors.state).
 - The weight path is the `WeightPublisher`'s (rlray.actors.publisher): `init_weight_group(spec,
   client)`, `broadcast_weights(version)`, `close_weight_group()`, `weight_source()`.
 `algo` must be resolved (rlray.algo.loss.resolve).
@@ -106,7 +107,7 @@ class TrainerActor:
 
     # ---- state (rlray.actors.state) --------------------------------------------------------
     def save(self, path: str) -> str:
-        return state.save(self.learner, path, self.rank)
+        return state.save(self.learner, path, self.rank, model_path(self.model_cfg))
 
     def load(self, path: str) -> str:
         return state.load(self.learner, path, self.rank)
@@ -114,8 +115,8 @@ class TrainerActor:
     def weights_digest(self) -> str:
         return state.weights_digest(self.learner.model)
 
-    def export_hf(self, path: str) -> None:
-        state.export_hf(self.learner.model, path, self.rank, model_path(self.model_cfg))
+    def export_hf(self, path: str, merged: bool = False) -> None:
+        state.export_hf(self.learner, path, self.rank, model_path(self.model_cfg), merged)
 
     # ---- the weight path (rlray.actors.publisher) ------------------------------------------
     def weight_source(self) -> Any:

@@ -136,6 +136,9 @@ def validate(c: Config) -> None:
              "weights.delta=true runs on the gloo weight path (CPU) only: on GPUs it needs vLLM's sparse_nccl "
              "engine, which rlray does not drive yet; set weights.delta=false")
     _check_lora(c)
+    _require(not c.checkpoint.export_merged or c.trainer.lora.enabled,
+             "checkpoint.export_merged=true merges LoRA adapters, but trainer.lora.rank=0 (the export is the whole "
+             "model already); set checkpoint.export_merged=false")
     _require(c.trainer.param_dtype in ("float32", "bfloat16", "float16"),
              f"trainer.param_dtype='{c.trainer.param_dtype}'; choose float32, bfloat16 or float16")
     _require(c.rollout.dtype in ("float32", "bfloat16", "float16"),

@@ -268,7 +268,8 @@ class CheckpointConfig:
     every: int = 100  # RL steps between checkpoints (0: none); also one at RL start and end
     keep: int = 2
     resume: bool = True  # resume from the newest committed checkpoint in run.dir/checkpoints
-    export_hf: bool = True  # write the final policy as a transformers folder to run.dir/hf
+    export_hf: bool = True  # write the final policy as a transformers folder to run.dir/hf (LoRA: hf/adapter)
+    export_merged: bool = False  # LoRA: also write the adapters merged into the base to run.dir/hf/merged
 
 
 @dataclass

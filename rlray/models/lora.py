@@ -20,6 +20,8 @@ Contract:
   checkpoint (`...q_proj.base_layer.weight` -> `...q_proj.weight`); `peft_name(name)` an adapter
   tensor's name in a PEFT adapter file (`base_model.model.<name>` without the adapter's name).
 - `adapter_config(cfg, targets, base)`: the `adapter_config.json` PEFT and vLLM read.
+- From a full state dict (rlray's names): `adapter_tensors` (PEFT's adapter file), `base_tensors`
+  (the base, checkpoint names), `merged_tensors` (each adapted weight plus alpha / rank x B A).
 """
 
 from __future__ import annotations
@@ -144,3 +146,23 @@ def adapter_config(cfg: LoraConfig, targets: list[str], base: str) -> dict[str, 
             "lora_alpha": cfg.alpha, "lora_dropout": cfg.dropout, "bias": "none", "fan_in_fan_out": False,
             "target_modules": sorted({t.rpartition(".")[2] for t in targets}), "use_rslora": False,
             "use_dora": False, "inference_mode": True}
+
+
+def adapter_tensors(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {peft_name(n): t for n, t in state.items() if is_adapter(n)}
+
+
+def base_tensors(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {checkpoint_name(n): t for n, t in state.items() if not is_adapter(n)}
+
+
+def merged_tensors(state: dict[str, torch.Tensor], cfg: LoraConfig) -> dict[str, torch.Tensor]:
+    merged = base_tensors(state)
+    for name, a in state.items():
+        if f".lora_A.{ADAPTER}." not in name:
+            continue
+        module = name.partition(f".lora_A.{ADAPTER}.")[0]
+        b = state[f"{module}.lora_B.{ADAPTER}.weight"]
+        weight = merged[f"{module}.weight"]
+        merged[f"{module}.weight"] = (weight.float() + (cfg.alpha / cfg.rank) * (b.float() @ a.float())).to(weight.dtype)
+    return merged

@@ -255,8 +255,9 @@ class Controller:
         if c.checkpoint.every:
             self.save("rl", c.rl.steps)
         if c.checkpoint.export_hf:
-            ray.get([t.export_hf.remote(str(self.run_dir / "hf")) for t in self.h.trainers])
-            print(f"exported the trained model to {self.run_dir / 'hf'}", flush=True)
+            ray.get([t.export_hf.remote(str(self.run_dir / "hf"), c.checkpoint.export_merged) for t in self.h.trainers])
+            what = "the trained LoRA adapter (PEFT) and its base" if c.trainer.lora.enabled else "the trained model"
+            print(f"exported {what} to {self.run_dir / 'hf'}", flush=True)
         end = self.evaluate("rl-end", c.rl.steps)
         self.summary.update(rl_end_reward=end, lag_max=float(max(lags, default=0.0)))
         print(f"held-out {self._eval_kind()} reward after RL: {end:.3f} (before RL {start:.3f}, gain {end - start:+.3f})",

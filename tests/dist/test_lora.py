@@ -5,6 +5,9 @@ logprobs unchanged."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -86,3 +89,64 @@ def test_lora_two_ranks_match_one_process_and_the_base_stays() -> None:
         logits = model(torch.tensor([SEQ])).logits[0]
     expected = torch.log_softmax(logits, -1)[:-1].gather(-1, torch.tensor(SEQ[1:])[:, None]).squeeze(-1)
     np.testing.assert_allclose(one["logprobs"], expected.numpy(), rtol=1e-5, atol=1e-5)
+
+
+def resume_worker(rank: int, world: int, port: int, out: dict, root: str) -> None:
+    from rlray.actors.trainer import TrainerActor
+
+    def trainer() -> TrainerActor:
+        t = TrainerActor(rank, world, f"127.0.0.1:{port}", MODEL, TrainerConfig(lr=1e-2, num_ranks=world, lora=LORA),
+                         algo_config(), "gloo", temperature=0.7)
+        t.setup()
+        return t
+
+    t = trainer()
+    t.set_stage(1e-2, 0, "sft")
+    t.sft_step(batch(world, False)[rank])
+    t.set_stage(1e-2, 0, "rl")
+    t.train_step(batch(world, True)[rank])
+    path = Path(root) / "ckpt_rl_00000001"
+    if rank == 0:
+        path.mkdir(parents=True)
+    torch.distributed.barrier()
+    saved = t.save(str(path))
+    logprobs = t.logprobs(SEQ, 1)
+    t.export_hf(str(Path(root) / "hf"), merged=True)
+    t.train_step(batch(world, True)[rank])  # moves the adapters past the checkpoint
+    fresh = trainer()  # built from the model's own checkpoint: the base SFT trained comes from the run folder
+    fresh.set_stage(1e-2, 0, "rl")
+    loaded = fresh.load(str(path))
+    if rank == 0:
+        out.update(saved=saved, loaded=loaded, logprobs=logprobs, resumed=fresh.logprobs(SEQ, 1),
+                   moved=t.logprobs(SEQ, 1))
+    else:
+        fresh.logprobs(SEQ, 1), t.logprobs(SEQ, 1)
+    torch.distributed.destroy_process_group()
+
+
+def test_a_lora_checkpoint_holds_the_adapters_on_the_kept_sft_base_and_exports_for_peft(tmp_path: Path) -> None:
+    import torch.distributed.checkpoint as dcp
+    from peft import PeftModel
+
+    from rlray.actors.state import BASE
+
+    model_path(MODEL)
+    out = spawn(resume_worker, 2, str(tmp_path))
+    assert out["loaded"] == out["saved"]  # every parameter, bit for bit
+    np.testing.assert_array_equal(out["resumed"], out["logprobs"])
+    assert not np.array_equal(out["moved"], out["logprobs"])
+    ckpt = tmp_path / "ckpt_rl_00000001"
+    assert json.loads((ckpt / "base.json").read_text()) == {"base": f"../{BASE}"}
+    assert (tmp_path / BASE / "done").exists()
+    held = [k for k in dcp.FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata if k.startswith("model.")]
+    assert held and all(is_adapter(k) for k in held), held  # the adapters (the optimizer's state is theirs)
+    base = AutoModelForCausalLM.from_pretrained(tmp_path / "hf" / "base", dtype=torch.float32)
+    config = json.loads((tmp_path / "hf" / "adapter" / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str(tmp_path / "hf" / "base") and config["r"] == LORA.rank
+    peft_model = PeftModel.from_pretrained(base, tmp_path / "hf" / "adapter").eval()
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "hf" / "merged", dtype=torch.float32)
+    for model, tol in ((peft_model, 1e-5), (merged, 1e-4)):
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([SEQ])).logits[0]
+        lp = torch.log_softmax(logits, -1)[:-1].gather(-1, torch.tensor(SEQ[1:])[:, None]).squeeze(-1)
+        np.testing.assert_allclose(lp.numpy(), out["logprobs"], rtol=0, atol=tol)
