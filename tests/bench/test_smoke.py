@@ -91,9 +91,13 @@ def test_trainer_quick(tmp_path: Path) -> None:
     stdout, report = bench("trainer", tmp_path)
     paths = {r["path"] for r in report["rows"]}
     assert paths == {"rlray TrainerActor.train_step", "bare FSDP2 loop", "agentic batch, packed",
-                     "agentic batch, padded"}
+                     "agentic batch, padded", "rlray train_step, LoRA r8"}
     positive(report["rows"], "params_m", "tokens_per_step", "steps", "step_seconds", "tokens_per_s")
     assert "rlray / bare tokens/s" in stdout and "packed / padded tokens/s" in stdout
+    state = {r["path"]: r["state_mb"] for r in report["rows"] if r["state_mb"]}
+    # the frozen base has no gradient or AdamW moments: about a quarter of the full model's state
+    assert state["rlray train_step, LoRA r8"] < 0.5 * state["rlray TrainerActor.train_step"]
+    assert "lora / rlray tokens/s" in stdout
     layouts = {r["path"].split(", ")[-1]: r for r in report["rows"] if r["path"].startswith("agentic")}
     assert layouts["packed"]["tokens_per_step"] == layouts["padded"]["tokens_per_step"]  # the same sequences
     assert layouts["packed"]["padding_frac"] < 0.05 < layouts["padded"]["padding_frac"]
@@ -112,7 +116,12 @@ def test_weight_sync_quick(tmp_path: Path) -> None:
         assert {r["bucket_mb"] for r in rows if r["size"] == size and r["method"] == "bucketed"} == {16, "1 tensor"}
     assert all(0 < r["vs_memcpy"] for r in rows)
     assert "bucketed(16MB) / per-tensor" in stdout and "x memcpy" in stdout
-    (e2e,) = report["sections"]
+    e2e, lora = report["sections"]
+    full, adapter = lora["rows"]
+    assert (full["mode"], adapter["mode"]) == ("full (base + adapter)", "adapter only")
+    assert 0 < adapter["mb_sent"] < 0.25 * full["mb_sent"]
+    assert all(r["logprob_diff"] < 0.05 for r in lora["rows"])  # the engine serves what the trainer holds
+    assert "LoRA r8 adapter / full sync seconds" in report["ratios"]
     by = {(r["engine"], r["wire"], r["mode"]): r for r in e2e["rows"]}
     assert set(by) == {("raw gloo", "float32", "broadcast only"), ("raw gloo", "bfloat16", "broadcast only"),
                        ("bf16 TP1", "bfloat16", "dense"), ("bf16 TP1", "bfloat16", "delta lr=0.0001"),

@@ -47,10 +47,10 @@ def digests(run_dir: Path) -> dict[int, str]:
     return {m["step"]: m["weights"] for m in metas}
 
 
-def kill_driver_after_rl_step(run_dir: Path, step: int) -> None:
+def kill_driver_after_rl_step(run_dir: Path, step: int, *extra: str) -> None:
     """`python -m rlray.launch` on the session's Ray cluster, SIGKILLed once RL step `step` is logged."""
     cmd = [sys.executable, "-m", "rlray.launch", f"run.dir={run_dir}", f"cluster.address={gcs_address()}",
-           *BASE, *OVERRIDES]
+           *BASE, *OVERRIDES, *extra]
     log = (run_dir.parent / "driver.log").open("w")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=run_dir.parent)
     deadline = time.time() + 600
@@ -92,3 +92,23 @@ def test_sigkilled_driver_resumes_exactly(ray_cluster, tmp_path) -> None:
         assert ours["lr"] == theirs["lr"]
         assert abs(ours["reward_mean"] - theirs["reward_mean"]) < 0.2, (ours["reward_mean"], theirs["reward_mean"])
     assert digests(killed_dir)[STEPS] and (killed_dir / "hf" / "config.json").exists()
+
+
+def test_a_sigkilled_lora_run_resumes_from_its_adapter_checkpoint(ray_cluster, tmp_path) -> None:
+    """LoRA: SFT trains the base, RL the adapters; the checkpoints hold the adapters, and the base SFT
+    trained, kept once beside them, comes back under them bit for bit after the SIGKILL."""
+    killed_dir = tmp_path / "run"
+    killed_dir.parent.mkdir(exist_ok=True)
+    kill_driver_after_rl_step(killed_dir, 2, "trainer.lora.rank=8", "rl.steps=5")
+    sft_before, saved = records(killed_dir, "sft"), digests(killed_dir)
+    summary = run(tiny_config(tmp_path, *OVERRIDES, "trainer.lora.rank=8", "rl.steps=5"))
+    at = max(saved)
+    assert at >= 2 and summary["resumed_weights"] == saved[at]
+    assert records(killed_dir, "sft") == sft_before, "SFT ran again after the resume"
+    assert [r["step"] for r in records(killed_dir, "rl")][-(5 - at):] == list(range(at, 5))
+    ckpt = killed_dir / "checkpoints" / "ckpt_rl_00000005"
+    assert json.loads((ckpt / "base.json").read_text()) == {"base": "../lora_base"}
+    rl = records(killed_dir, "rl")
+    assert max(r["sync_mb"] for r in rl if "sync_mb" in r) < 0.25 * max(r["sync_mb"] for r in sft_before
+                                                                       if "sync_mb" in r)
+    assert (killed_dir / "hf" / "adapter" / "adapter_config.json").exists() and (killed_dir / "hf" / "base").is_dir()

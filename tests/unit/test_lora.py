@@ -110,6 +110,9 @@ def test_the_plan_counts_a_frozen_base_and_fp32_adapters() -> None:
     assert sum(lora.trainer.values()) < sum(full.trainer.values())
     assert lora.ranks_to_fit() < full.ranks_to_fit()
     assert "LoRA: rank 16" in lora.render() and f"fits on {lora.ranks_to_fit()} trainer GPUs" in lora.render()
+    recipe = make_plan(composed("+recipe=qwen3_moe_lora"))  # the LoRA variant: one trainer node, not two
+    assert not recipe.problems() and recipe.c.trainer.num_ranks == 8 < full.c.trainer.num_ranks
+    assert recipe.gpus == full.gpus - 8 and recipe.c.trainer.lora.base_dtype == "bfloat16"
 
 
 class Loads:
