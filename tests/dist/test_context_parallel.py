@@ -1,6 +1,6 @@
 """Context parallelism on gloo: cp=2 on 2 processes, and cp=2 with FSDP (plus activation
 checkpointing) or with EP on 4, give the loss and gradients of one process on the same batch
-of uneven sequences, for a sequence-mean and a sequence-ratio loss. The MoE runs replay the
+of uneven sequences, for a sequence-mean and a sequence-ratio loss; cp=2 with LoRA adapters too. The MoE runs replay the
 engine's routing (each cp rank its own share of the positions)."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch.distributed as dist
 from rlray.algo.loss import algo_config
 
 from rlray.algo.loss import get_loss
-from rlray.config import ModelConfig, TrainerConfig
+from rlray.config import LoraConfig, ModelConfig, TrainerConfig
 from rlray.data.packing import Sample, pack
 from rlray.models.tiny import model_path
 from tests.dist.common import assert_grads_close, full_grads, spawn
@@ -39,9 +39,10 @@ def samples(routing_layers: int = 0) -> list[Sample]:
 def worker(rank: int, world: int, port: int, out: dict, cases: list) -> None:
     from rlray.actors.trainer import TrainerActor
 
-    for key, model, cp, ep, ac in cases:
+    for key, model, cp, ep, ac, *lora in cases:
         replay = model == MOE  # (a copy: the case crossed a process boundary)
-        cfg = TrainerConfig(num_ranks=world, cp=cp, ep=ep, activation_checkpointing=ac, router_replay=replay)
+        cfg = TrainerConfig(num_ranks=world, cp=cp, ep=ep, activation_checkpointing=ac, router_replay=replay,
+                            lora=LoraConfig(rank=4) if lora else LoraConfig())
         t = TrainerActor(rank, world, f"127.0.0.1:{port}", model, cfg, algo_config(), "gloo", temperature=0.7)
         t.setup()
         for name in LOSSES:
@@ -65,12 +66,15 @@ def check(result: dict, ref: dict) -> None:
 
 def test_context_parallel_matches_one_process() -> None:
     model_path(DENSE), model_path(MOE)
-    one = spawn(worker, 1, [("dense", DENSE, 1, 1, False), ("moe", MOE, 1, 1, False)])
-    two = spawn(worker, 2, [("cp2", DENSE, 2, 1, False)])  # cp alone: both ranks split one batch
+    one = spawn(worker, 1, [("dense", DENSE, 1, 1, False), ("moe", MOE, 1, 1, False), ("lora", DENSE, 1, 1, False, 1)])
+    # cp alone: both ranks split one batch; and with LoRA adapters (the base frozen)
+    two = spawn(worker, 2, [("cp2", DENSE, 2, 1, False), ("cp2_lora", DENSE, 2, 1, False, 1)])
     four = spawn(worker, 4, [("cp2_fsdp2_ac", DENSE, 2, 1, True), ("cp2_ep2", MOE, 2, 2, False)])
     for name in LOSSES:
         assert two[("cp2", name)]["micro_batches"] >= 2
         check(two[("cp2", name)], one[("dense", name)])
+        check(two[("cp2_lora", name)], one[("lora", name)])
+        assert np.abs(one[("lora", name)]["grads"]["model.layers.1.self_attn.q_proj.lora_B.default.weight"]).max() > 0
         check(four[("cp2_fsdp2_ac", name)], one[("dense", name)])
         check(four[("cp2_ep2", name)], one[("moe", name)])
         # every routed (position, layer) replayed once over the cp and data-parallel ranks, as on one process

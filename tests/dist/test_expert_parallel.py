@@ -3,7 +3,8 @@
 on the same global batch, for tiny Glm4Moe and Qwen3Moe. Every data-parallel rank trains on
 its own sequences; one case routes no token at all to one rank's experts. With router replay (EP x
 FSDP, packing, activation checkpointing) every experts call, recomputation included, gets the
-engine's experts for every routed token, and the result matches one process replaying them."""
+engine's experts for every routed token, and the result matches one process replaying them. With
+LoRA adapters (EP 2) the adapters' gradients match one process's and the experts stay frozen."""
 
 from __future__ import annotations
 
@@ -13,9 +14,10 @@ import torch
 
 from rlray.algo.loss import algo_config
 
-from rlray.config import ModelConfig, TrainerConfig
+from rlray.config import LoraConfig, ModelConfig, TrainerConfig
 from rlray.data.packing import Sample, pack
 from rlray.data.layout import model_inputs
+from rlray.models.lora import apply_lora, init_adapters
 from rlray.models.tiny import model_path
 from rlray.parallel.expert import moe_experts
 from rlray.parallel.routing import RouterReplay
@@ -27,6 +29,7 @@ SHAPE = {"num_layers": 2, "hidden_size": 64, "num_heads": 2, "num_kv_heads": 1, 
 GLM = ModelConfig(arch="glm4_moe", seed=5, **SHAPE)
 QWEN = ModelConfig(arch="qwen3_moe", seed=6, **SHAPE)
 ROUTER = "model.layers.1.mlp.gate"  # the MoE layer (GLM's layer 0 is dense)
+LORA = LoraConfig(rank=4)
 
 
 def engine_routing(rng: np.random.Generator, positions: int, layers: int) -> np.ndarray:
@@ -58,12 +61,16 @@ def biased_glm(folder) -> str:
     return str(folder)
 
 
-def reference(path: str, routing_layers: int = 0) -> dict:
+def reference(path: str, routing_layers: int = 0, lora: bool = False) -> dict:
     """One plain transformers process over the whole batch: the independent computation (with
-    `routing_layers`, replaying the samples' routing over a padded row each)."""
+    `routing_layers`, replaying the samples' routing over a padded row each; with `lora`, PEFT's
+    adapters as the trainer initialises them)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    if lora:
+        apply_lora(model, LORA)
+        init_adapters(model, seed=0)
     (mb,) = pack(samples(routing_layers), 1, micro_batch_tokens=4096, pad_id=0, packed=False)[0]  # a padded row each
     ids, mask = torch.tensor(mb.input_ids), torch.tensor(mb.loss_mask)
     replay = RouterReplay(model, replay=True)
@@ -73,7 +80,8 @@ def reference(path: str, routing_layers: int = 0) -> dict:
     logp = torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
     loss = -(logp * mask[:, 1:]).sum() / mask.sum()
     loss.backward()
-    return {"loss": float(loss), "grads": {n: p.grad.numpy().copy() for n, p in model.named_parameters()}}
+    return {"loss": float(loss.detach()), "grads": {n: p.grad.numpy().copy() if p.grad is not None else np.zeros(p.shape, np.float32)
+                                           for n, p in model.named_parameters()}}
 
 
 def worker(rank: int, world: int, port: int, out: dict, cases: list) -> None:
@@ -81,9 +89,9 @@ def worker(rank: int, world: int, port: int, out: dict, cases: list) -> None:
 
     from rlray.actors.trainer import TrainerActor
 
-    for key, path, ep, ac, routing_layers in cases:
+    for key, path, ep, ac, routing_layers, *lora in cases:
         cfg = TrainerConfig(num_ranks=world, ep=ep, activation_checkpointing=ac, micro_batch_tokens=64,
-                            router_replay=routing_layers > 0)
+                            router_replay=routing_layers > 0, lora=LORA if lora else LoraConfig())
         t = TrainerActor(rank, world, f"127.0.0.1:{port}", ModelConfig(name=path), cfg, algo_config(), "gloo", 1.0)
         t.setup()
         mbs = pack(samples(routing_layers), world, micro_batch_tokens=64, pad_id=0)[rank]
@@ -140,9 +148,16 @@ def test_expert_parallel_matches_one_process(tmp_path) -> None:
     glm, qwen, biased = model_path(GLM), model_path(QWEN), biased_glm(tmp_path / "biased")
     refs = {"glm": reference(glm), "qwen": reference(qwen), "biased": reference(biased)}
 
-    two = spawn(worker, 2, [("glm", glm, 2, False, 0), ("qwen", qwen, 2, False, 0), ("biased", biased, 2, False, 0)])
-    for key in ("glm", "qwen", "biased"):
+    refs["glm_lora"] = reference(glm, lora=True)
+    two = spawn(worker, 2, [("glm", glm, 2, False, 0), ("qwen", qwen, 2, False, 0), ("biased", biased, 2, False, 0),
+                            ("glm_lora", glm, 2, False, 0, 1)])
+    for key in ("glm", "qwen", "biased", "glm_lora"):
         check(two[key], refs[key], ep=2)
+    # LoRA under EP: the adapters (attention, the dense layer, the shared experts) learn through the
+    # all-to-all, the experts stay frozen
+    lora_grads = two["glm_lora"]["grads"]
+    assert np.abs(lora_grads["model.layers.1.mlp.shared_experts.up_proj.lora_B.default.weight"]).max() > 0
+    assert not np.abs(lora_grads["model.layers.1.mlp.experts.gate_up_proj"]).any()
     counts = two["biased"]["counts"][0]  # tokens per expert of the one MoE layer, over both ranks
     assert counts[2] == counts[3] == 0 and counts[0] == counts[1] > 0  # rank 1's experts get no token
 

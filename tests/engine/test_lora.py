@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import math
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -115,3 +116,44 @@ def test_a_base_sync_keeps_the_adapter_served(setup: tuple, served: tuple) -> No
     scored = loop.run(engine.score(TOKENS, len(PROMPT)))
     assert max_diff(scored, logprobs(adapted, TOKENS, len(PROMPT))) < 1e-3
     assert math.isfinite(sum(scored))
+
+
+def test_a_request_in_flight_switches_to_the_new_adapter(setup: tuple, served: tuple) -> None:
+    """vLLM drops the adapter at every update; the request in flight, which carries it, is served the
+    new one at its next step: its tokens before the sync score under the old adapter, after it the new."""
+    _, adapted, _ = setup
+    engine, publisher, loop = served
+    old = {n: p.detach().clone() for n, p in adapted.named_parameters() if is_adapter(n)}
+    version, calls, started = [1], [0], threading.Event()
+
+    def current() -> int:
+        calls[0] += 1
+        if calls[0] >= 4:
+            started.set()
+        return version[0]
+
+    max_tokens = 256 - len(PROMPT)
+    pending = loop.submit(engine.generate(PROMPT, temperature=1.0, max_tokens=max_tokens, version=current,
+                                          ignore_eos=True))
+    assert started.wait(30)
+    perturb(adapted, adapters=True, scale=0.1, seed=4)
+    publisher.client.on_loaded = lambda: version.__setitem__(0, 2)
+    publisher.publish(4)
+    publisher.client.on_loaded = None
+    sample = pending.result(60)[0]
+    switch = sample.versions.index(2)
+    assert 0 < switch and set(sample.versions[switch:]) == {2} and len(sample.completion_ids) == max_tokens
+    ids = PROMPT + sample.completion_ids
+    new_lp = logprobs(adapted, ids, len(PROMPT))
+    with torch.no_grad():
+        new = {n: p.detach().clone() for n, p in adapted.named_parameters() if is_adapter(n)}
+        for n, p in adapted.named_parameters():
+            if n in old:
+                p.copy_(old[n])
+        old_lp = logprobs(adapted, ids, len(PROMPT))
+        for n, p in adapted.named_parameters():
+            if n in new:
+                p.copy_(new[n])
+    assert max_diff(sample.logprobs[switch:], new_lp[switch:]) < 1e-3
+    assert max_diff(sample.logprobs[:switch], old_lp[:switch]) < 1e-3
+    assert max_diff(sample.logprobs[switch:], old_lp[switch:]) > 1e-2  # the switch is visible
