@@ -227,15 +227,7 @@ def test_inflight_generate_survives_update(loop_thread: LoopThread, engine: Engi
     model = trainer[0]
     old = {n: p.detach().clone() for n, p in model.model.named_parameters()}
     version = [1]
-    started = threading.Event()
-    calls = [0]
-
-    def current_version() -> int:
-        calls[0] += 1
-        if calls[0] >= 4:
-            started.set()
-        return version[0]
-
+    current_version, started = version_probe(version)
     max_tokens = 256 - len(PROMPT)
     pending = loop_thread.submit(engine.generate(PROMPT, n=1, temperature=1.0, max_tokens=max_tokens,
                                                  version=current_version, ignore_eos=True))
@@ -255,6 +247,20 @@ def test_inflight_generate_survives_update(loop_thread: LoopThread, engine: Engi
     print(f"in-flight: {switch} tokens before the update, {max_tokens - switch} after")
     assert max_diff(sample.logprobs[switch:], new_lp[switch:]) < 1e-3
     assert max_diff(sample.logprobs[:switch], old_lp[:switch]) < 1e-3
+
+
+def version_probe(version: list[int], after: int = 4) -> tuple[Callable[[], int], threading.Event]:
+    """A `version` callable for `Engine.generate` reading `version[0]`, and an event set once it has
+    been called `after` times (the request is generating)."""
+    calls, started = [0], threading.Event()
+
+    def current() -> int:
+        calls[0] += 1
+        if calls[0] >= after:
+            started.set()
+        return version[0]
+
+    return current, started
 
 
 @torch.no_grad()

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import copy
 import math
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,7 +21,15 @@ from rlray.bench.common import EngineClient, LoopThread
 from rlray.config import LoraConfig, ModelConfig
 from rlray.models.lora import adapted_modules, adapter_config, apply_lora, checkpoint_name, is_adapter
 from rlray.weightsync.transport import TrainerSpec
-from tests.engine.test_engine_sync import ENGINE_KWARGS, PROMPT, TOKENS, build_model, free_port, max_diff
+from tests.engine.test_engine_sync import (
+    ENGINE_KWARGS,
+    PROMPT,
+    TOKENS,
+    build_model,
+    free_port,
+    max_diff,
+    version_probe,
+)
 
 pytest.importorskip("vllm")
 
@@ -124,14 +131,8 @@ def test_a_request_in_flight_switches_to_the_new_adapter(setup: tuple, served: t
     _, adapted, _ = setup
     engine, publisher, loop = served
     old = {n: p.detach().clone() for n, p in adapted.named_parameters() if is_adapter(n)}
-    version, calls, started = [1], [0], threading.Event()
-
-    def current() -> int:
-        calls[0] += 1
-        if calls[0] >= 4:
-            started.set()
-        return version[0]
-
+    version = [1]
+    current, started = version_probe(version)
     max_tokens = 256 - len(PROMPT)
     pending = loop.submit(engine.generate(PROMPT, temperature=1.0, max_tokens=max_tokens, version=current,
                                           ignore_eos=True))

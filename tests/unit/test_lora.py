@@ -199,6 +199,11 @@ def test_vllm_lora_pieces_rlray_uses() -> None:
     assert "self.model.load_weights" in inspect.getsource(NCCLWeightTransferEngine.receive_weights)
     assert callable(WeightTransferEngine.set_weight_update_target)
     assert NCCLAdapterWeightTransferEngine.start_weight_update.__qualname__ == "AdapterUpdates.start_weight_update"
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+    from vllm.plugins import load_general_plugins
+
+    load_general_plugins()  # what every vLLM process does: GPU engines serving LoRA get "rlray_nccl"
+    assert WeightTransferEngineFactory._registry["rlray_nccl"]() is NCCLAdapterWeightTransferEngine
     packed = {"qkv_proj": ["q_proj", "k_proj", "v_proj"]}
     manager = SimpleNamespace(_adapter_manager=SimpleNamespace(
         modules={"model.layers.0.self_attn.qkv_proj": None, "model.layers.0.self_attn.o_proj": None},
