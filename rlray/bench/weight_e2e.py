@@ -321,7 +321,7 @@ def measure_lora(path: str, dtype: str, bucket_mb: int, repeats: int, rank: int)
         loop.close()
     label = f"{dtype.replace('float', 'fp').replace('bfp', 'bf')} TP1 LoRA r{rank}"
     rows = []
-    for kind, mode in (("full", "full (base + adapter)"), ("adapter", "adapter only")):
+    for kind, mode in (("full", "full (base weights)"), ("adapter", "adapter only")):
         times = [t for t, _, _, _ in samples[kind]]
         sent = median([b for _, _, b, _ in samples[kind]])
         rows.append({"engine": label, "wire": str(wire).removeprefix("torch."), "mode": mode, "mb_sent": sent / 1e6,

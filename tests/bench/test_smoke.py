@@ -118,7 +118,7 @@ def test_weight_sync_quick(tmp_path: Path) -> None:
     assert "bucketed(16MB) / per-tensor" in stdout and "x memcpy" in stdout
     e2e, lora = report["sections"]
     full, adapter = lora["rows"]
-    assert (full["mode"], adapter["mode"]) == ("full (base + adapter)", "adapter only")
+    assert (full["mode"], adapter["mode"]) == ("full (base weights)", "adapter only")
     assert 0 < adapter["mb_sent"] < 0.25 * full["mb_sent"]
     assert all(r["logprob_diff"] < 0.05 for r in lora["rows"])  # the engine serves what the trainer holds
     assert "LoRA r8 adapter / full sync seconds" in report["ratios"]
