@@ -127,9 +127,9 @@ class ProbedRolloutActor(RolloutActor):
     async def run(self, buffer: Any) -> dict[str, Any]:
         return await super().run(_CountingBuffer(buffer, self._mark))
 
-    async def start_weight_update(self) -> None:
+    async def start_weight_update(self, adapter: dict[str, Any] | None = None) -> None:
         self._pause_start = time.time()
-        await super().start_weight_update()
+        await super().start_weight_update(adapter)
 
     async def finish_weight_update(self, weight_version: str) -> dict[str, float]:
         try:
