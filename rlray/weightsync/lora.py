@@ -1,5 +1,5 @@
 """LoRA adapters in vLLM's engines, synced through vLLM's weight-transfer protocol: the one module
-that touches vLLM's LoRA internals (each pinned by tests/unit/test_transfer.py).
+that touches vLLM's LoRA internals (each pinned by tests/unit/test_lora.py).
 
 Measured on vLLM 0.32: a worker loads an adapter only from a folder (`LoRARequest.lora_path`, read
 by `WorkerLoRAManager._load_adapter`), and it drops every adapter at the end of each weight update
