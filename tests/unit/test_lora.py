@@ -210,3 +210,49 @@ def test_vllm_lora_pieces_rlray_uses() -> None:
         packed_modules={}, packed_modules_mapping=packed))
     assert {"model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.o_proj"} <= _servable_modules(manager)
     assert "model.layers.0.mlp.experts" not in _servable_modules(manager)
+
+
+def test_vllms_nccl_engine_with_the_adapter_mixin_keeps_an_adapter_and_loads_base_weights(monkeypatch) -> None:
+    """The GPU path on CPU: vLLM's own NCCL worker engine (its receive loop, one broadcast per tensor,
+    the CUDA stream stubbed) under rlray's mixin: an announced adapter lands in the kept copy, not
+    in the model; the next update, unannounced, loads into the model as vLLM's engine does."""
+    from vllm.distributed.weight_transfer.nccl_engine import (
+        NCCLWeightTransferEngine,
+        NCCLWeightTransferUpdateInfo,
+    )
+
+    from rlray.weightsync.nccl_lora import NCCLAdapterWeightTransferEngine
+
+    class Group:  # stands in for vLLM's PyNcclCommunicator: the trainer's rank 0 sent 7s
+        def broadcast(self, tensor: torch.Tensor, src: int, stream: object = None) -> None:
+            tensor.fill_(7.0)
+
+    class Model:
+        def __init__(self) -> None:
+            self.loaded: list[str] = []
+
+        def load_weights(self, weights: object) -> None:
+            self.loaded += [name for name, _ in weights]
+
+    model = Model()
+    engine = NCCLAdapterWeightTransferEngine(None, SimpleNamespace(parallel_config=None, model_config=None),
+                                             torch.device("cpu"), model)
+    engine.model_update_group = Group()
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: None)
+    # vLLM's own start/finish open and close a layerwise reload of a real model: recorded instead
+    monkeypatch.setattr(NCCLWeightTransferEngine, "start_weight_update", lambda self: model.loaded.append("start"))
+    monkeypatch.setattr(NCCLWeightTransferEngine, "finish_weight_update", lambda self: model.loaded.append("finish"))
+    name = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
+    update = NCCLWeightTransferUpdateInfo(names=[name], dtype_names=["float32"], shapes=[[4, 8]])
+    engine.expect_adapter({"r": 4})
+    engine.start_weight_update()
+    engine.receive_weights(update)
+    engine.finish_weight_update()
+    engine.reset_weight_update_target()  # what vLLM's worker does after finish
+    config, tensors = engine.adapter
+    assert model.loaded == [] and config == {"r": 4} and tensors[name].shape == (4, 8) and (tensors[name] == 7).all()
+    engine.start_weight_update()
+    engine.receive_weights(NCCLWeightTransferUpdateInfo(names=["lm_head.weight"], dtype_names=["float32"],
+                                                        shapes=[[2, 2]]))
+    engine.finish_weight_update()
+    assert model.loaded == ["start", "lm_head.weight", "finish"]
