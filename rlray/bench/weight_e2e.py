@@ -276,8 +276,6 @@ def ratios(rows: list[dict[str, Any]], size: str) -> dict[str, float]:
 def measure_lora(path: str, dtype: str, bucket_mb: int, repeats: int, rank: int) -> list[dict[str, Any]]:
     """One engine serving a rank-`rank` adapter (every projection) on the size's model: adapter syncs
     and full syncs of the same model into it, alternating, through the trainer's `WeightPublisher`."""
-    from transformers import AutoModelForCausalLM
-
     from rlray.actors.publisher import WeightPublisher
     from rlray.config import LoraConfig
     from rlray.models.lora import adapted_modules, adapter_config, apply_lora, init_adapters
@@ -287,7 +285,8 @@ def measure_lora(path: str, dtype: str, bucket_mb: int, repeats: int, rank: int)
     engine = start_engine(loop, path, dtype, 1, lora_rank=rank)
     try:
         cfg = LoraConfig(rank=rank)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        setup = Setup(path, 1e-4)  # the model and the sequence the engine scores after each sync
+        model = setup.model
         apply_lora(model, cfg)
         init_adapters(model, seed=0)
         with torch.no_grad():  # a trained adapter: lora_B away from zero
@@ -300,7 +299,6 @@ def measure_lora(path: str, dtype: str, bucket_mb: int, repeats: int, rank: int)
         publisher.open(TrainerSpec("gloo", "127.0.0.1", free_port(), 1 + engine.workers(), bucket_mb << 20, 300.0),
                        client)
         publisher.publish(0)  # the base, then the adapter: warm-up
-        tokens = list(range(3, 51))
         samples: dict[str, list[tuple[float, dict[str, float], float, float]]] = {"adapter": [], "full": []}
         for r in range(repeats):
             for kind in ("adapter", "full")[:: 1 if r % 2 == 0 else -1]:
@@ -308,12 +306,9 @@ def measure_lora(path: str, dtype: str, bucket_mb: int, repeats: int, rank: int)
                 t0 = time.perf_counter()
                 out = publisher.publish(r + 1)
                 seconds = time.perf_counter() - t0
-                scored = torch.tensor(loop.run(engine.score(tokens, 1)))
-                with torch.no_grad():
-                    logits = model(torch.tensor([tokens])).logits[0, :-1].float()
-                mine = torch.log_softmax(logits, -1).gather(1, torch.tensor(tokens[1:])[:, None])[:, 0]
+                scored = torch.tensor(loop.run(engine.score(setup.tokens, 1)))
                 samples[kind].append((seconds, dict(client.phases), out["sync_bytes"],
-                                      float((scored - mine).abs().max())))
+                                      float((scored - setup.logprobs()).abs().max())))
         publisher.close()
         loop.run(engine.shutdown_weight_transfer())
     finally:
