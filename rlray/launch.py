@@ -2,7 +2,9 @@
 
 Contract: composes `conf/config.yaml` with the recipe, its CPU twin and the overrides,
 validates the result into a typed `Config` and its plan (rlray.orchestration.plan: mesh, engines, memory
-per GPU), exiting 1 with one line naming the bad key or the shortfall, before Ray starts.
+per GPU), exiting 1 with one line naming the bad key or the shortfall, before Ray starts. Colocated with
+async.max_off_policy_steps=1, a plan in which trainer and engine do not fit a GPU at once sets it to 0
+(one line says so).
 `dry_run=true` prints the plan (checked against the cluster's resources when connected to
 one) and exits. Otherwise the plan goes to the run folder (`plan.txt`) and the controller
 runs; a run that cannot go on (a rollout actor lost past `rollout.max_restarts`, a starved
@@ -56,6 +58,12 @@ def _plan(config: Config) -> Plan:
     problems = plan.problems()
     if problems:
         raise ConfigError("; ".join(problems))
+    if config.cluster.colocate and config.async_.max_off_policy_steps == 1 and not plan.overlap_fits():
+        config.async_.max_off_policy_steps = 0
+        print(f"cluster.colocate=true: trainer and engine need ~{plan.phases()['both']:.0f} GB at once, more than "
+              f"cluster.gpu_memory_gb={config.cluster.gpu_memory_gb:g}, so async.max_off_policy_steps is 0: they take "
+              f"turns (the engines in vLLM's sleep mode, level {config.rollout.sleep_level}, while the trainer trains)",
+              flush=True)
     return plan
 
 

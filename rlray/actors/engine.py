@@ -27,6 +27,9 @@ Contract:
   sync whose `start_weight_update(adapter=config)` names the adapter's PEFT config moves only the
   adapter; from the first one on, every request (`generate`, the OpenAI server's) carries it
   (`lora`), in-flight ones included. Other syncs load base weights as before.
+- Colocated turns: `sleep(level)` releases the device for the trainer (0: scheduling paused, CPU;
+  1/2: vLLM's sleep mode, GPU) and `wake_up(tags)` takes it back; a weight sync may run between a
+  partial wake ("weights") and the rest, and generation resumes only when nothing is asleep.
 - `death()` is None while the engine core process runs, and vLLM's error in one line once it
   has died (out of memory, a CUDA fault, killed): every call fails from then on, and a
   weight-group call in flight when it dies raises that error instead of waiting forever.
@@ -100,6 +103,7 @@ class Engine:
         self.num_experts = 0
         self._ids = itertools.count()
         self._paused_at = 0.0
+        self.asleep: list[str] = []  # what `sleep` released and `wake_up` has not taken back (vLLM's tags)
 
     @classmethod
     async def create(cls, model_path: str, *, max_model_len: int, seed: int = 0,
@@ -132,11 +136,11 @@ class Engine:
             kwargs["enable_return_routed_experts"] = not current_platform.is_cpu()  # vLLM's own, V2 runner
         if lora_rank:
             from rlray.weightsync.lora import engine_args
-            from rlray.weightsync.protocol import NCCL_LORA
+            from rlray.weightsync.protocol import IPC_LORA, NCCL_LORA
 
             kwargs.update(engine_args(lora_rank))
-            if weights_backend == "nccl":  # vLLM's nccl engine, keeping adapter updates
-                kwargs["weight_transfer_config"] = {"backend": NCCL_LORA}
+            if weights_backend in ("nccl", "ipc"):  # vLLM's own engine, keeping adapter updates
+                kwargs["weight_transfer_config"] = {"backend": NCCL_LORA if weights_backend == "nccl" else IPC_LORA}
         kwargs.update(engine_kwargs or {})
         engine = cls(AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs)), capture_routing)
         if capture_routing:
@@ -279,8 +283,29 @@ class Engine:
         await self._unless_dead(self.llm.reset_prefix_cache(reset_running_requests=True))
         if on_loaded is not None:
             on_loaded()
-        await self._unless_dead(self.llm.resume_generation())
+        if not self.asleep:  # a sleeping engine resumes once `wake_up` has taken everything back
+            await self._unless_dead(self.llm.resume_generation())
         return time.perf_counter() - self._paused_at
+
+    # ---- colocated turns (cluster.colocate) ----------------------------------------------------
+    async def sleep(self, level: int) -> None:
+        """Make room for a colocated trainer: level 0 pauses scheduling (requests kept, no memory
+        released: all a CPU engine can do), 1 and 2 are vLLM's sleep mode (GPU; the engine was created
+        with `enable_sleep_mode`): the KV cache dropped and the weights kept in host memory (1) or
+        dropped (2, the next weight sync refills them). In-flight requests are kept and recomputed."""
+        if self.asleep:
+            return
+        await self._unless_dead(self.llm.sleep(level, mode="keep"))
+        self.asleep = ["scheduling"] if level == 0 else ["weights", "kv_cache"]
+
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        """Take back what `sleep` released: `tags` among it ("weights" before a sync into a level-2
+        engine, then the rest), None: everything. Scheduling resumes once nothing is left asleep."""
+        wanted = [t for t in self.asleep if tags is None or t in tags]
+        if not wanted:
+            return
+        await self._unless_dead(self.llm.wake_up(wanted))
+        self.asleep = [t for t in self.asleep if t not in wanted]
 
     async def shutdown_weight_transfer(self) -> None:
         await self._unless_dead(self.llm.shutdown_weight_transfer_engine())

@@ -25,6 +25,7 @@ Contract: `Learner(model, ref_model, dims, cfg, algo, temperature, device)` trai
 - `forward_backward(micro_batches, rl)` accumulates this rank's gradients and returns the local
   sums (the equivalence tests read the gradients after it).
 - `logprobs(token_ids, start)` scores a sequence (for checks and tests).
+- `move_optimizer_state(device)` moves the optimizer state (trainer.offload_optimizer, colocated GPUs).
 - The KL reference (`ref_model`, when `algo.kl_coef > 0`) is the policy at the first RL step:
   `snapshot_reference()` copies it once, shard by shard.
 """
@@ -85,6 +86,17 @@ class Learner:
                                            betas=(self.cfg.beta1, self.cfg.beta2))
         warm = max(1, warmup_steps)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: min(1.0, (s + 1) / warm))
+
+    def move_optimizer_state(self, device: torch.device) -> int:
+        """Every optimizer state tensor but AdamW's step counts to `device` (trainer.offload_optimizer:
+        host memory while colocated engines generate, back before the next step); the bytes moved."""
+        moved = 0
+        for st in self.optimizer.state.values():
+            for key, value in st.items():
+                if key != "step" and isinstance(value, torch.Tensor) and value.device != device:
+                    st[key] = value.to(device)
+                    moved += value.numel() * value.element_size()
+        return moved
 
     def trainable(self) -> list[torch.nn.Parameter]:
         """What the optimizer steps: every parameter, or with LoRA the adapters alone."""

@@ -25,6 +25,8 @@ Contract:
   loads what the trainer sends, `finish_weight_update(version)` clears the prefix cache,
   labels the weights and resumes with the new version. `stats()["loading"]` stays True after
   a sync that broke off between start and finish.
+- `sleep(level)` / `wake_up(tags)` (colocated): the engine releases the device while the trainer of
+  its bundle trains, and takes it back (rlray.actors.engine.Engine.sleep).
 - `evaluate(num_examples, num_samples, temperature, max_tokens)` runs this actor's share
   (examples i, i+A, ... of each environment's eval split) and returns per-example records.
 - The weight calls, `evaluate` and `score` on a dead engine raise `EngineFailed` too (an
@@ -86,12 +88,13 @@ def cpu_binding(workers: int, cores: list[int] | None = None) -> str:
 class RolloutActor:
     def __init__(self, index: int, num_actors: int, model: ModelConfig, rollout: RolloutConfig,
                  env: EnvConfig, seed: int, run_seed: int = 0, weights_backend: str = "gloo",
-                 lora_rank: int = 0) -> None:
+                 lora_rank: int = 0, colocated: bool = False) -> None:
         self.index, self.num_actors, self.run_seed = index, num_actors, run_seed
         self.lora_rank = lora_rank  # > 0: the engine serves the trainer's LoRA adapter (trainer.lora.rank)
         self.model_cfg, self.cfg, self.env_cfg, self.seed = model, rollout, env, seed
         self.version = 0
         self.weights_backend = weights_backend
+        self.colocated = colocated  # in a trainer rank's bundle (cluster.colocate): the engine takes turns with it
         self.loading = False  # inside a weight update (start_weight_update without its finish)
         self._stop = asyncio.Event()
         self.last_error: str | None = None
@@ -138,7 +141,11 @@ class RolloutActor:
         kwargs: dict[str, Any] = {"dtype": self.cfg.dtype, "enforce_eager": self.cfg.enforce_eager,
                                   "tensor_parallel_size": self.cfg.tensor_parallel_size,
                                   "data_parallel_size": self.cfg.data_parallel_size}
-        if engine_workers(self.cfg) > 1:  # the engine's workers are processes in this actor's bundle (not Ray's)
+        if self.colocated and self.cfg.gpus_per_actor > 0:
+            # vLLM's Ray workers, one in each trainer rank's bundle (the cluster gave this actor
+            # VLLM_RAY_BUNDLE_INDICES and VLLM_RAY_PER_WORKER_GPUS), with sleep mode to make room for it
+            kwargs.update(distributed_executor_backend="ray", enable_sleep_mode=True)
+        elif engine_workers(self.cfg) > 1:  # the engine's workers are processes in this actor's bundle (not Ray's)
             kwargs["distributed_executor_backend"] = "mp"
         if self.cfg.expert_parallel:
             kwargs["enable_expert_parallel"] = True
@@ -271,6 +278,13 @@ class RolloutActor:
             version, on_loaded=lambda: setattr(self, "version", version)))
         self.loading = False
         return {"load_seconds": seconds}
+
+    async def sleep(self, level: int) -> None:
+        """Colocated: release the device while the trainer trains (rlray.actors.engine.Engine.sleep)."""
+        await self._serving(self.engine.sleep(level))
+
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        await self._serving(self.engine.wake_up(tags))
 
     async def evaluate(self, num_examples: int, num_samples: int = 1, temperature: float = 0.0,
                        max_tokens: int | None = None) -> list[dict[str, Any]]:

@@ -11,7 +11,7 @@ Contract:
   of `ParallelDims`, each rank reading only its shards); the KL reference, when
   `algo.kl_coef > 0`, is built the same way.
 - Training is the `Learner`'s (rlray.actors.learner): `set_stage`, `train_step`, `sft_step`,
-  `forward_backward`, `logprobs`.
+  `forward_backward`, `logprobs`; `offload_optimizer(to_host)` (colocated GPUs) moves its state.
 - State is rlray.actors.state's: `save(dir)` / `load(dir)` (DCP shards, RNG states; both return
   the weight digest), `weights_digest()`, `export_hf(dir, merged)` (rank 0 writes a transformers
   folder; with LoRA the adapter folder, see rlray.actors.state).
@@ -104,6 +104,10 @@ class TrainerActor:
 
     def logprobs(self, token_ids: list[int], start: int, temperature: float = 1.0) -> list[float]:
         return self.learner.logprobs(token_ids, start, temperature)
+
+    def offload_optimizer(self, to_host: bool) -> int:
+        """The optimizer state to host memory (while colocated engines generate) or back; bytes moved."""
+        return self.learner.move_optimizer_state(torch.device("cpu") if to_host else self.device)
 
     # ---- state (rlray.actors.state) --------------------------------------------------------
     def save(self, path: str) -> str:

@@ -207,10 +207,10 @@ class EngineClient:
         return self.loop.run(gather(), self.timeout_s)
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
-        from rlray.weightsync.transport import rank_offsets
+        from rlray.weightsync.transport import engine_init_infos
 
-        offsets = rank_offsets(init_info["rank_offset"], [e.workers() for e in self.engines])
-        self._all([e.init_weight_transfer({**init_info, "rank_offset": o}) for e, o in zip(self.engines, offsets)])
+        infos = engine_init_infos(init_info, [e.workers() for e in self.engines])
+        self._all([e.init_weight_transfer(info) for e, info in zip(self.engines, infos)])
 
     def start_weight_update(self) -> None:
         self._all([e.start_weight_update(self.adapter) for e in self.engines])

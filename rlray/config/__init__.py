@@ -5,6 +5,7 @@ Imports nothing of rlray outside this package; Hydra is imported only by `compos
 """
 
 from rlray.config.checks import backend, engine_workers, validate
+from rlray.config.colocation import Colocation, weight_backend
 from rlray.config.compose import RECIPES_DIR, recipe_names, register, schema_node, to_config
 from rlray.config.schema import (
     AlgoConfig,
@@ -27,7 +28,7 @@ from rlray.config.schema import (
     WeightSyncConfig,
 )
 
-__all__ = ["RECIPES_DIR", "AlgoConfig", "AsyncConfig", "CheckpointConfig", "ClusterConfig", "Config", "ConfigError",
+__all__ = ["RECIPES_DIR", "AlgoConfig", "Colocation", "AsyncConfig", "CheckpointConfig", "ClusterConfig", "Config", "ConfigError",
            "EnvConfig", "EnvSpec", "EvalConfig", "LoggingConfig", "LoraConfig", "ModelConfig", "RLConfig", "RolloutConfig",
            "RunConfig", "SFTConfig", "TrainerConfig", "WeightSyncConfig", "backend", "engine_workers", "recipe_names",
-           "register", "schema_node", "to_config", "validate"]
+           "register", "schema_node", "to_config", "validate", "weight_backend"]

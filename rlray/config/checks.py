@@ -136,6 +136,7 @@ def validate(c: Config) -> None:
              "weights.delta=true runs on the gloo weight path (CPU) only: on GPUs it needs vLLM's sparse_nccl "
              "engine, which rlray does not drive yet; set weights.delta=false")
     _check_lora(c)
+    _check_colocate(c)
     _require(not c.checkpoint.export_merged or c.trainer.lora.enabled,
              "checkpoint.export_merged=true merges LoRA adapters, but trainer.lora.rank=0 (the export is the whole "
              "model already); set checkpoint.export_merged=false")
@@ -166,3 +167,35 @@ def _check_lora(c: Config) -> None:
              "masters; set trainer.lora.base_dtype=float32 or drop sft from stages")
     _require(not c.weights.delta, "weights.delta=true with trainer.lora.rank > 0: a LoRA sync sends only the "
                                   "adapters already; set weights.delta=false")
+
+
+def _check_colocate(c: Config) -> None:
+    """cluster.colocate's shape (its memory is the plan's: rlray.orchestration.plan)."""
+    t, r = c.trainer, c.rollout
+    if not c.cluster.colocate:
+        _require(not t.offload_optimizer, "trainer.offload_optimizer=true moves the optimizer state out of the way "
+                                          "of colocated engines; set cluster.colocate=true, or drop it")
+        return
+    k, on_gpu = c.async_.max_off_policy_steps, t.gpus_per_rank > 0
+    _require(k <= 1, f"cluster.colocate=true with async.max_off_policy_steps={k}: colocated engines and trainer take "
+                     "turns on the same devices, so at most one step can overlap; set async.max_off_policy_steps=0 or 1")
+    workers = r.num_actors * engine_workers(r)
+    _require(t.num_ranks % workers == 0,
+             f"cluster.colocate=true: {workers} engine workers (rollout.num_actors={r.num_actors} x "
+             f"tensor_parallel_size={r.tensor_parallel_size} x data_parallel_size={r.data_parallel_size}) do not "
+             f"divide the trainer's {t.num_ranks} bundles (trainer.num_ranks); make the workers a divisor of it")
+    _require(not (on_gpu and r.data_parallel_size > 1),
+             f"cluster.colocate=true with rollout.data_parallel_size={r.data_parallel_size}: colocated GPU engines "
+             "place one worker per trainer GPU; raise rollout.num_actors instead")
+    _require(not r.node_labels or r.node_labels == t.node_labels,
+             "cluster.colocate=true places the engines in the trainer's bundles (trainer.node_labels); set "
+             "rollout.node_labels={}")
+    _require(r.sleep_level in (1, 2), f"rollout.sleep_level={r.sleep_level}; choose 1 (weights kept in host "
+                                      "memory) or 2 (weights dropped, refilled by the next sync)")
+    _require(not (r.sleep_level == 2 and t.lora.enabled),
+             "rollout.sleep_level=2 drops the engines' weights, but with LoRA a sync sends only the adapters; set "
+             "rollout.sleep_level=1")
+    _require(not c.weights.delta, "weights.delta=true with cluster.colocate=true: the handover passes memory, not "
+                                  "bytes on a network; set weights.delta=false")
+    _require(not t.offload_optimizer or on_gpu, "trainer.offload_optimizer=true needs GPUs (on CPU the optimizer "
+                                                "state is in host memory already); set it false")

@@ -23,8 +23,10 @@ DEV = Path("/dev")
 
 
 def needs(c: Config) -> tuple[float, float]:
-    """(GPUs, CPUs) that the run's bundles ask of the cluster."""
+    """(GPUs, CPUs) that the run's bundles ask of the cluster (colocated: the engines use the trainer's GPUs)."""
     t, r = c.trainer, c.rollout
+    if c.cluster.colocate:
+        return t.num_ranks * t.gpus_per_rank, t.num_ranks * t.cpus_per_rank + r.num_actors * r.cpus_per_actor
     return (t.num_ranks * t.gpus_per_rank + r.num_actors * r.gpus_per_actor,
             t.num_ranks * t.cpus_per_rank + r.num_actors * r.cpus_per_actor)
 

@@ -79,6 +79,8 @@ class TrainerConfig:
     router_replay: bool = False  # MoE (R3): every token goes through the experts the engine routed it to
     lora: LoraConfig = field(default_factory=LoraConfig)
     node_labels: dict[str, str] = field(default_factory=dict)  # ranks only on Ray nodes with these labels
+    # cluster.colocate on GPUs: the optimizer state waits in host memory while the engines generate
+    offload_optimizer: bool = False
     max_nonfinite_steps: int = 3  # NaN/inf loss or gradient: the step is skipped; this many in a row stop the run
     # The trainer's own process group (FSDP, EP and CP collectives, the barrier behind rank 0's HF export):
     # a collective waits at most this long before it fails. Apart from the weight group's timeouts.
@@ -112,6 +114,9 @@ class RolloutConfig:
     max_restarts: int = 3  # rollout actors replaced after a crash during RL, in all; 0: a crash ends the run
     node_labels: dict[str, str] = field(default_factory=dict)  # engines only on Ray nodes with these labels
     max_failed_groups: int = 3  # an engine failing this many groups in a row is replaced like a dead one
+    # cluster.colocate on GPUs, while the trainer trains: vLLM's sleep mode level 1 (weights to host memory,
+    # KV cache dropped) or 2 (both dropped; the next sync refills the weights)
+    sleep_level: int = 1
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
 
     CPU_DEFAULTS: ClassVar[dict[str, Any]] = {"dtype": "float32", "enforce_eager": True, "kv_cache_fraction": 0.05,
@@ -280,6 +285,9 @@ class ClusterConfig:
     gpu_memory_gb: float = 80.0  # memory of one GPU, for the plan's fit check (H100 80, H200 141)
     dashboard_host: str = "127.0.0.1"
     backend: str = "auto"  # auto: nccl when the bundles have GPUs, else gloo
+    # true: one placement group, a trainer rank and an engine worker in each bundle, taking turns; weights
+    # handed over in memory (GPU: vLLM's ipc engine and sleep mode; CPU: shared memory). README "Colocated"
+    colocate: bool = False
 
 
 @dataclass

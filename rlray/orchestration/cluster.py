@@ -8,7 +8,9 @@ runtime_env (`code_env`): rlray and the modules of `env.python_path` as `py_modu
 nodes without this checkout import the driver's copy.
 `check_resources(gpus, cpus)` compares a plan with the connected cluster.
 `spawn(config)` creates one placement group for the trainer ranks and one for the
-rollout actors (bundle sizes from the config, on nodes with `*.node_labels`), then the named actors `trainer-i`
+rollout actors (bundle sizes from the config, on nodes with `*.node_labels`), or with
+`cluster.colocate` one whose bundles each hold a trainer rank and an engine worker
+(rlray.config.colocation; on GPUs Ray's fractional GPUs split each bundle's GPU), then the named actors `trainer-i`
 (with a `CONTROL` concurrency group beside the default one),
 `rollout-i` and `buffer` from the plain classes, and has trainer rank 0 serve the trainer group's
 store (`Handles.master`); `spawn_rollout` (re)creates one rollout
@@ -34,7 +36,8 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from rlray.actors.buffer import BufferActor
 from rlray.actors.rollout import RolloutActor
 from rlray.actors.trainer import TrainerActor
-from rlray.config import ClusterConfig, Config, backend
+from rlray.config import ClusterConfig, Colocation, Config, backend, weight_backend
+from rlray.config.colocation import TRAINER_GPU_SHARE
 
 PACKAGE = Path(__file__).resolve().parents[1]  # rlray/
 REPO = str(PACKAGE.parent)
@@ -150,33 +153,49 @@ class Handles:
 
     @property
     def rollout_pg(self) -> PlacementGroup:
-        return self.groups[1]
+        return self.groups[-1]  # colocated: the one group
 
 
-def _pg(name: str, n: int, cpus: float, gpus: float, labels: dict[str, str], key: str,
+def _pg(name: str, bundles: list[dict[str, float]], labels: dict[str, str], key: str,
         timeout_s: float = 600) -> PlacementGroup:
-    bundle = {"CPU": cpus, **({"GPU": gpus} if gpus else {})}
-    pg = placement_group([dict(bundle) for _ in range(n)], strategy="PACK", name=name,
+    n = len(bundles)
+    pg = placement_group(bundles, strategy="PACK", name=name,
                          bundle_label_selector=[dict(labels) for _ in range(n)] if labels else None)
     try:
         ray.get(pg.ready(), timeout=timeout_s)
     except ray.exceptions.GetTimeoutError:
         remove_placement_group(pg)
         where = f" on nodes labelled {dict(labels)} ({key})" if labels else ""
-        raise RuntimeError(f"placement group {name} ({n} x {bundle}{where}) not placed in {timeout_s:g} s: "
+        shape = f"{n} x {bundles[0]}" if all(b == bundles[0] for b in bundles) else str(bundles)
+        raise RuntimeError(f"placement group {name} ({shape}{where}) not placed in {timeout_s:g} s: "
                            f"the cluster has {ray.available_resources()} free") from None
     return pg
 
 
+def _bundles(n: int, cpus: float, gpus: float) -> list[dict[str, float]]:
+    return [{"CPU": cpus, **({"GPU": gpus} if gpus else {})} for _ in range(n)]
+
+
+def _groups(c: Config) -> list[PlacementGroup]:
+    """[trainer's, rollout's] placement groups; colocated, one holding both ([it, it])."""
+    t, r = c.trainer, c.rollout
+    if c.cluster.colocate:
+        pg = _pg("rlray-colocated", Colocation(c).bundles(), t.node_labels, "trainer.node_labels")
+        return [pg, pg]
+    return [_pg("rlray-trainer", _bundles(t.num_ranks, t.cpus_per_rank, t.gpus_per_rank), t.node_labels,
+                "trainer.node_labels"),
+            _pg("rlray-rollout", _bundles(r.num_actors, r.cpus_per_actor, r.gpus_per_actor), r.node_labels,
+                "rollout.node_labels")]
+
+
 def spawn(c: Config, pad_id: int) -> Handles:
     t, r = c.trainer, c.rollout
-    tpg = _pg("rlray-trainer", t.num_ranks, t.cpus_per_rank, t.gpus_per_rank, t.node_labels, "trainer.node_labels")
-    rpg = _pg("rlray-rollout", r.num_actors, r.cpus_per_actor, r.gpus_per_actor, r.node_labels,
-              "rollout.node_labels")
+    tpg, rpg = groups = _groups(c)
     host, _ = free_address(tpg, 0)  # rank 0's node; its store picks the port (TrainerActor.serve_group)
+    gpus = t.gpus_per_rank * (TRAINER_GPU_SHARE if c.cluster.colocate else 1.0)
     trainers = [
         ray.remote(concurrency_groups={CONTROL: 1})(TrainerActor).options(
-            name=f"trainer-{i}", num_cpus=t.cpus_per_rank, num_gpus=t.gpus_per_rank,
+            name=f"trainer-{i}", num_cpus=t.cpus_per_rank, num_gpus=gpus,
             scheduling_strategy=PlacementGroupSchedulingStrategy(tpg, placement_group_bundle_index=i),
         ).remote(i, t.num_ranks, f"{host}:0", c.model, t, c.algo, backend(c), r.temperature, r.dtype)
         for i in range(t.num_ranks)
@@ -186,7 +205,7 @@ def spawn(c: Config, pad_id: int) -> Handles:
     buffer = ray.remote(BufferActor).options(name="buffer", num_cpus=0).remote(
         c.algo, c.rl.batch_size // r.group_size, c.async_.max_off_policy_steps, t.num_ranks,
         t.micro_batch_tokens, pad_id, t.packing, t.cp)
-    return Handles(trainers, rollouts, buffer, master, [tpg, rpg])
+    return Handles(trainers, rollouts, buffer, master, groups[:1] if c.cluster.colocate else groups)
 
 
 def rollout_name(index: int, incarnation: int = 0) -> str:
@@ -195,13 +214,25 @@ def rollout_name(index: int, incarnation: int = 0) -> str:
 
 
 def spawn_rollout(c: Config, index: int, pg: PlacementGroup, incarnation: int = 0) -> Any:
-    """Rollout actor `index` in bundle `index` of `pg`, named `rollout_name(index, incarnation)`."""
-    r = c.rollout
+    """Rollout actor `index` in bundle `index` of `pg` (colocated: its engine's first bundle), named
+    `rollout_name(index, incarnation)`. Colocated on GPUs the actor takes no GPU: vLLM's Ray workers take
+    each bundle's engine share (VLLM_RAY_BUNDLE_INDICES, VLLM_RAY_PER_WORKER_GPUS), so the actor's
+    placement group is captured for the tasks it starts."""
+    r, colocated = c.rollout, c.cluster.colocate
+    bundle, gpus, env = index, r.gpus_per_actor, {}
+    if colocated:
+        where = Colocation(c)
+        bundle = where.first_bundle(index)
+        if gpus:
+            gpus, env = 0.0, {"VLLM_RAY_BUNDLE_INDICES": ",".join(map(str, where.engine_bundles(index))),
+                              "VLLM_RAY_PER_WORKER_GPUS": str(1.0 - TRAINER_GPU_SHARE)}
     return ray.remote(RolloutActor).options(
-        name=rollout_name(index, incarnation), num_cpus=r.cpus_per_actor, num_gpus=r.gpus_per_actor, max_concurrency=1000,
-        scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=index),
-    ).remote(index, r.num_actors, c.model, r, c.env, c.run.seed + 1000 * incarnation, c.run.seed, backend(c),
-             c.trainer.lora.rank)
+        name=rollout_name(index, incarnation), num_cpus=r.cpus_per_actor, num_gpus=gpus, max_concurrency=1000,
+        scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=bundle,
+                                                             placement_group_capture_child_tasks=bool(env)),
+        **({"runtime_env": {"env_vars": env}} if env else {}),
+    ).remote(index, r.num_actors, c.model, r, c.env, c.run.seed + 1000 * incarnation, c.run.seed, weight_backend(c),
+             c.trainer.lora.rank, colocated)
 
 
 def teardown(h: Handles) -> None:

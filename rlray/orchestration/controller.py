@@ -14,6 +14,9 @@ run folder resumes from the newest committed one (an interrupted SFT restarts). 
 controller moves object references and version numbers; rollouts and batches go
 from actor to actor (SFT batches, built from the dataset here, are put once).
 The summary holds the held-out rewards (greedy unless eval.temperature > 0) after SFT and at the end of RL.
+Colocated (`cluster.colocate`) is this loop with turns when async.max_off_policy_steps=0: the engines
+sleep before every training step and wake around the sync that follows (`sync`); with 1, both stay
+resident and overlap as in the disaggregated layout.
 Every run ends, failed ones too, with its curves drawn into `curves.png` (rlray.plot).
 """
 
@@ -90,8 +93,32 @@ class Controller:
         print(f"actors ready in {time.perf_counter() - t0:.1f}s: {len(self.h.trainers)} trainer ranks, "
               f"{len(self.h.rollouts)} rollout actors, weight group of {world}", flush=True)
 
+    # ---- colocated turns (cluster.colocate with async.max_off_policy_steps=0) -------------------
+    @property
+    def turns(self) -> bool:
+        """Whether the engines and the trainer take turns on their shared devices (rlray.config.colocation)."""
+        return self.c.cluster.colocate and self.c.async_.max_off_policy_steps == 0
+
+    def _train_turn(self) -> None:
+        """The engines make room (a no-op when asleep already), the optimizer state comes back."""
+        if self.turns:
+            self.fleet.sleep()
+            if self.c.trainer.offload_optimizer:
+                ray.get([t.offload_optimizer.remote(False) for t in self.h.trainers])
+
     def sync(self, version: int) -> dict[str, float]:
-        return self.fleet.sync(version)
+        """The trainer's weights into every engine, labelled `version`; taking turns, the engines wake for
+        it (weights first, then the KV cache: a level-2 engine needs room only for what the sync fills) and
+        the optimizer state leaves for host memory while they generate (trainer.offload_optimizer)."""
+        if not self.turns:
+            return self.fleet.sync(version)
+        t0 = time.perf_counter()
+        self.fleet.wake(["weights"])
+        values = self.fleet.sync(version)
+        if self.c.trainer.offload_optimizer:
+            ray.get([t.offload_optimizer.remote(True) for t in self.h.trainers])
+        self.fleet.wake()
+        return {**values, "handover_seconds": time.perf_counter() - t0}
 
     def _wait(self, refs: list[Any], step: int) -> None:
         """Wait until `refs` (step `step`'s batch) are ready while the fleet replaces lost actors."""
@@ -154,6 +181,7 @@ class Controller:
         for step in range(s.max_steps):
             t0 = time.perf_counter()
             per_rank = self._sft_batch(step)
+            self._train_turn()
             out = ray.get([t.sft_step.remote(mbs) for t, mbs in zip(self.h.trainers, per_rank)])[0]
             values = {"loss": out["loss"], "step_seconds": time.perf_counter() - t0}
             last = step + 1 == s.max_steps
@@ -235,6 +263,7 @@ class Controller:
             batch = [batch] if n == 1 else batch  # num_returns=1 gives one ref, not a list
             # Trainer tasks wait here, not in the actors' queues: a replacement's weight sync needs them.
             self._wait(batch, step)
+            self._train_turn()
             outs = ray.get([t.train_step.remote(b) for t, b in zip(self.h.trainers, batch)])
             self.version = step + 1
             values = {**ray.get(self.h.buffer.step_stats.remote(step)), **outs[0],

@@ -15,9 +15,10 @@ Contract:
   fails with no receiver lost raises, naming the version. A sync never hangs: it has a deadline
   (`weights.sync_timeout_s`) and the engines are watched while it runs; every wait on an actor
   has a timeout, and the trainers leave the weight group on their control thread
-  (`cluster.CONTROL`), never queued behind a broadcast in flight. On gloo an engine lost
-  mid-sync, or one that has not finished by the deadline, is killed and replaced; on nccl the
-  run stops with one line naming it (vLLM's NCCL group cannot be abandoned).
+  (`cluster.CONTROL`), never queued behind a broadcast in flight. On gloo and shm an engine lost
+  mid-sync, or one that has not finished by the deadline, is killed and replaced; on nccl and ipc
+  the run stops with one line naming it (vLLM's NCCL group cannot be abandoned; its ipc engine
+  leaves the other trainer ranks in a barrier).
 - `start()` starts every actor's RL loop (they put groups into the buffer); `heal(version)`
   replaces actors whose loop ended early and returns whether it did; `stop(version)` ends the
   loops. `evaluate(version, ...)` runs `RolloutActor.evaluate` on every actor, replacing lost ones
@@ -27,6 +28,8 @@ Contract:
   (a survivor whose load broke with the group is replaced too), then resume their RL loops
   if RL runs. At most `rollout.max_restarts` replacements in all; past that a RuntimeError of
   one line names the actors, why they were lost, and the fix.
+- `sleep()` / `wake(tags)` (cluster.colocate with async.max_off_policy_steps=0): the engines release
+  the devices while the trainer trains and take them back for the sync and the next batch.
 - `last_errors()`: each actor's last failed group, for messages of a starved trainer.
 """
 
@@ -39,9 +42,9 @@ import ray
 from ray.exceptions import RayActorError, RayError, RayTaskError
 
 from rlray.actors.rollout import EngineFailed, one_line
-from rlray.config import Config, backend
+from rlray.config import Colocation, Config, weight_backend
 from rlray.orchestration import cluster
-from rlray.weightsync.transport import TrainerSpec, rank_offsets
+from rlray.weightsync.transport import TrainerSpec, engine_init_infos
 
 POLL_S = 0.5  # a sync in flight looks at the engines this often
 HEALTH_S = 5.0  # an actor that does not answer `stats` within this long counts as not answering
@@ -90,9 +93,8 @@ class FleetClient:
         return ray.get(refs, timeout=self.timeout_s)
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
-        offsets = rank_offsets(init_info["rank_offset"], self.workers)
-        self._all([h.init_weight_transfer_engine.remote({**init_info, "rank_offset": offset})
-                   for h, offset in zip(self.handles, offsets)])
+        infos = engine_init_infos(init_info, self.workers)
+        self._all([h.init_weight_transfer_engine.remote(info) for h, info in zip(self.handles, infos)])
 
     def start_weight_update(self) -> None:
         self._all([h.start_weight_update.remote(self.adapter) for h in self.handles])
@@ -122,8 +124,8 @@ class RolloutFleet:
         w = self.c.weights
         workers = ray.get([r.workers.remote() for r in self.h.rollouts], timeout=w.sync_timeout_s)
         world = 1 + sum(workers)
-        spec = TrainerSpec(backend(self.c), host, port, world, w.bucket_mb and w.bucket_mb << 20, w.group_timeout_s,
-                           w.delta, w.full_every)
+        spec = TrainerSpec(weight_backend(self.c), host, port, world, w.bucket_mb and w.bucket_mb << 20,
+                           w.group_timeout_s, w.delta, w.full_every, Colocation(self.c).stride, sum(workers))
         client = FleetClient(list(self.h.rollouts), workers, w.sync_timeout_s)
         ray.get([t.init_weight_group.remote(spec, client) for t in self.h.trainers],
                 timeout=w.group_timeout_s + w.sync_timeout_s)
@@ -202,7 +204,7 @@ class RolloutFleet:
         lost = lost or self._dead()
         if not lost and not failed:  # the deadline passed: the engines that have not finished are stuck
             lost = self._unfinished(version)
-        if backend(self.c) == "nccl":
+        if weight_backend(self.c) in ("nccl", "ipc"):
             raise RuntimeError(self._stuck(version, lost, failed))
         for i in lost:
             ray.kill(self.h.rollouts[i], no_restart=True)  # gloo: rank 0's broadcast to it fails instead of waiting
@@ -227,9 +229,11 @@ class RolloutFleet:
         what = ("; ".join(f"{names[i]} was lost ({why})" for i, why in sorted(lost.items())) if lost else
                 f"the weight sync did not finish within weights.sync_timeout_s={self.c.weights.sync_timeout_s:g}s"
                 + (f" ({one_line(getattr(failed[0], 'cause', None) or failed[0])})" if failed else ""))
-        return (f"{what} during the weight sync to policy version {version}; vLLM's NCCL weight group has no timeout, "
-                "so trainer rank 0's broadcast cannot be abandoned and the run stops: resume it from its last "
-                "checkpoint (same run.dir)")
+        why = ("vLLM's NCCL weight group has no timeout, so trainer rank 0's broadcast cannot be abandoned"
+               if weight_backend(self.c) == "nccl" else
+               "vLLM's ipc engine leaves the other trainer ranks waiting in its barrier")
+        return (f"{what} during the weight sync to policy version {version}; {why} and the run stops: resume it "
+                "from its last checkpoint (same run.dir)")
 
     def _lost_in_sync(self, version: int, timeout: float) -> tuple[dict[int, str], dict[int, dict[str, Any]]]:
         """After a broken sync, once every survivor's load has ended (a load still blocked in the broadcast
@@ -253,6 +257,23 @@ class RolloutFleet:
                                 "lost; raise weights.sync_timeout_s if the model is large, or check the actors' logs")
         return RuntimeError(f"the weight sync to policy version {version} failed with no rollout actor lost: "
                             f"{one_line(getattr(error, 'cause', None) or error)}")
+
+    # ---- colocated turns ----------------------------------------------------------------
+    def sleep(self) -> None:
+        """Colocated engines make room for the trainer: vLLM's sleep mode at rollout.sleep_level on GPUs,
+        generation paused on CPUs (level 0: vLLM has no sleep mode there). A lost engine is left to `heal`."""
+        level = self.c.rollout.sleep_level if self.c.trainer.gpus_per_rank > 0 else 0
+        self._each(lambda r: r.sleep.remote(level))
+
+    def wake(self, tags: list[str] | None = None) -> None:
+        """Wake what `sleep` released (`tags`: vLLM's "weights" or "kv_cache" only; None: everything)."""
+        self._each(lambda r: r.wake_up.remote(tags))
+
+    def _each(self, call: Any) -> None:
+        failed = errors([call(r) for r in self.h.rollouts], self.c.weights.sync_timeout_s)
+        for e in failed.values():
+            if loss_cause(e) is None:
+                raise e
 
     # ---- RL loops ---------------------------------------------------------------------
     def _loop(self, i: int) -> Any:

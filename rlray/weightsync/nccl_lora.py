@@ -1,10 +1,12 @@
-"""The workers' end of vLLM's own NCCL weight-transfer engine, with LoRA adapter updates
-(rlray.weightsync.lora.AdapterUpdates): backend "rlray_nccl" of vLLM's worker factory, which
-rlray's engines use on GPUs when they serve an adapter. The trainer's end is vLLM's "nccl" one.
-Imported by vLLM's factory when it builds one (rlray.weightsync.protocol.register)."""
+"""The workers' end of vLLM's own GPU weight-transfer engines, with LoRA adapter updates
+(rlray.weightsync.lora.AdapterUpdates): backends "rlray_nccl" (NCCL broadcast) and "rlray_ipc" (CUDA IPC,
+colocated) of vLLM's worker factory, which rlray's engines use on GPUs when they serve an adapter. The
+trainer's ends are vLLM's "nccl" and "ipc" ones. Imported by vLLM's factory when it builds one
+(rlray.weightsync.protocol.register)."""
 
 from __future__ import annotations
 
+from vllm.distributed.weight_transfer.ipc_engine import IPCWeightTransferEngine
 from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine
 
 from rlray.weightsync.lora import AdapterUpdates
@@ -12,3 +14,7 @@ from rlray.weightsync.lora import AdapterUpdates
 
 class NCCLAdapterWeightTransferEngine(AdapterUpdates, NCCLWeightTransferEngine):
     """vLLM's NCCL engine; an update announced as an adapter is kept, not loaded into the model."""
+
+
+class IPCAdapterWeightTransferEngine(AdapterUpdates, IPCWeightTransferEngine):
+    """vLLM's CUDA IPC engine; an update announced as an adapter is kept, not loaded into the model."""

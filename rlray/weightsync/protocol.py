@@ -70,6 +70,7 @@ from rlray.weightsync.delta import apply_delta, delta_tensors, positions_first
 from rlray.weightsync.lora import AdapterUpdates
 from rlray.weightsync.transport import (
     BUCKET_BYTES,
+    SHM_BUCKET_BYTES,
     TrainerSpec,
     WeightReceiver,
     WeightSender,
@@ -81,11 +82,13 @@ from rlray.weightsync.transport import (
 
 BACKEND = "gloo"
 NCCL_LORA = "rlray_nccl"  # the workers' end of vLLM's nccl engine, with LoRA adapter updates
+IPC_LORA = "rlray_ipc"  # the workers' end of vLLM's ipc engine (colocated GPUs), with LoRA adapter updates
+SHM = "shm"  # rlray's colocated handover on CPUs (rlray.weightsync.shm)
 
 
 def register() -> None:
-    """Add backend "gloo" to vLLM's weight-transfer factories and "rlray_nccl" to its worker
-    factory (the vLLM plugin entry point)."""
+    """Add backends "gloo" and "shm" to vLLM's weight-transfer factories and "rlray_nccl" and
+    "rlray_ipc" to its worker factory (the vLLM plugin entry point)."""
     from vllm.distributed.weight_transfer.factory import (
         WeightTransferEngineFactory,
         WeightTransferTrainerFactory,
@@ -94,7 +97,12 @@ def register() -> None:
     for factory, name, engine in ((WeightTransferEngineFactory, BACKEND, (GlooWeightTransferEngine,)),
                                   (WeightTransferTrainerFactory, BACKEND, (GlooTrainerWeightTransferEngine,)),
                                   (WeightTransferEngineFactory, NCCL_LORA,  # imported when vLLM builds one
-                                   ("rlray.weightsync.nccl_lora", "NCCLAdapterWeightTransferEngine"))):
+                                   ("rlray.weightsync.nccl_lora", "NCCLAdapterWeightTransferEngine")),
+                                  (WeightTransferEngineFactory, IPC_LORA,
+                                   ("rlray.weightsync.nccl_lora", "IPCAdapterWeightTransferEngine")),
+                                  (WeightTransferEngineFactory, SHM, ("rlray.weightsync.shm", "ShmWeightTransferEngine")),
+                                  (WeightTransferTrainerFactory, SHM,
+                                   ("rlray.weightsync.shm", "ShmTrainerWeightTransferEngine"))):
         try:
             factory.register_engine(name, *engine)
         except ValueError:  # registered already (a second import of the plugin)
@@ -347,7 +355,18 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
 
 
 def trainer_init_info(spec: TrainerSpec, rank: int) -> TrainerInitInfo:
-    """Trainer rank `rank`'s init info for `spec.backend` ("gloo": ours, "nccl": vLLM's own)."""
+    """Trainer rank `rank`'s init info for `spec.backend` ("gloo" and "shm": ours, "nccl" and "ipc": vLLM's own)."""
+    if spec.backend == SHM:
+        from rlray.weightsync.shm import ShmTrainerInitInfo
+
+        return ShmTrainerInitInfo(rank=rank, prefix=f"rlray-weights-{spec.master_port}",
+                                  bucket_bytes=spec.bucket_bytes or SHM_BUCKET_BYTES, stride=spec.stride,
+                                  writes=spec.writes(rank))
+    if spec.backend == "ipc":  # colocated GPUs: CUDA IPC handles of each rank's full tensors, in packed chunks
+        from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
+
+        size = {"packed_buffer_size_bytes": spec.bucket_bytes} if spec.bucket_bytes else {}
+        return IPCTrainerInitInfo(rank=rank, packed=True, **size)
     if spec.backend == BACKEND:
         return GlooTrainerInitInfo(spec.master_address, spec.master_port, spec.world_size,
                                    spec.bucket_bytes or BUCKET_BYTES, spec.timeout_s, spec.delta, spec.full_every,
@@ -360,7 +379,7 @@ def trainer_init_info(spec: TrainerSpec, rank: int) -> TrainerInitInfo:
         size = {"packed_buffer_size_bytes": spec.bucket_bytes} if spec.bucket_bytes else {}
         return NCCLTrainerInitInfo(spec.master_address, spec.master_port, spec.world_size, packed=True, rank=rank,
                                    **size)
-    raise ValueError(f"cluster.backend must be 'gloo' or 'nccl' for the weight path, got {spec.backend!r}")
+    raise ValueError(f"the weight path's backend must be gloo, nccl, shm or ipc, got {spec.backend!r}")
 
 
 def trainer_engine(spec: TrainerSpec, rank: int, client: VLLMWeightSyncClient,

@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 BUCKET_BYTES = 16 << 20  # gloo's bucket when weights.bucket_mb is unset: 4-16 MB measured best (BENCHMARKS.md)
+SHM_BUCKET_BYTES = 256 << 20  # shm's (colocated CPU) handover round when weights.bucket_mb is unset
 STORE_PREFIX = "rlray-weights"
 
 
@@ -358,8 +359,22 @@ class TrainerSpec:
     timeout_s: float  # gloo: one join or broadcast of the weight group (vLLM's NCCL group has no timeout)
     delta: bool = False  # gloo only: after a full sync, only the changed elements
     full_every: int = 10
+    stride: int = 1  # colocated (shm): engine worker w shares trainer rank w * stride's bundle
+    workers: int = 0  # colocated (shm): engine workers in all
+
+    def writes(self, rank: int) -> bool:
+        """Colocated: whether trainer rank `rank`'s bundle holds an engine worker (rlray.config.colocation)."""
+        return rank % self.stride == 0 and rank // self.stride < self.workers
 
 
 def rank_offsets(first: int, workers: list[int]) -> list[int]:
     """Each engine's first weight-group rank: engine i's workers follow engines 0..i-1's."""
     return [first + sum(workers[:i]) for i in range(len(workers))]
+
+
+def engine_init_infos(init_info: dict[str, Any], workers: list[int]) -> list[dict[str, Any]]:
+    """Each engine's init info: its workers' ranks follow the previous engines' (`rank_offsets`); an
+    engine whose info has no `rank_offset` (vLLM's ipc: each worker finds its own GPU's handles) gets it whole."""
+    if "rank_offset" not in init_info:
+        return [dict(init_info) for _ in workers]
+    return [{**init_info, "rank_offset": o} for o in rank_offsets(init_info["rank_offset"], workers)]
