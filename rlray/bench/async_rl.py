@@ -1,4 +1,7 @@
-"""async: wall-clock of the same RL steps at `async.max_off_policy_steps` 0, 1 and 2.
+"""async: wall-clock of the same RL steps at `async.max_off_policy_steps` 0, 1 and 2, and colocated.
+
+Colocated runs (`cluster.colocate=true`, `--colocated` ks) place the engine in trainer rank 0's bundle
+and hand weights over in shared memory; at k=0 the engine pauses while the trainer trains (turns).
 
 Each k is one `rlray.orchestration.controller.run(config)` of the default recipe (`conf/config.yaml` on the
 schema, then this benchmark's settings and any `--set key=value`), all three on one local Ray
@@ -33,8 +36,9 @@ from rlray.bench.common import Column, Report, median, ratio
 from rlray.config import RECIPES_DIR, Config
 
 CONF = RECIPES_DIR.parent / "conf" / "config.yaml"
-QUICK = {"steps": 3, "ks": [0, 2], "set": ["model.num_layers=2", "rl.batch_size=16", "eval.num_examples=8"]}
-FULL = {"steps": 30, "ks": [0, 1, 2], "set": ["eval.num_examples=32"]}
+QUICK = {"steps": 3, "ks": [0, 2], "colocated": [0],
+         "set": ["model.num_layers=2", "rl.batch_size=16", "eval.num_examples=8"]}
+FULL = {"steps": 30, "ks": [0, 1, 2], "colocated": [0, 1], "set": ["eval.num_examples=32"]}
 # Every run starts fresh and spends its time on the steps: no resume, checkpoints or export
 # (where the schema has them), no evaluation inside the loop.
 FRESH = ["checkpoint.every=0", "checkpoint.resume=false", "checkpoint.export_hf=false", "rl.eval_every=0",
@@ -44,6 +48,8 @@ FRESH = ["checkpoint.every=0", "checkpoint.resume=false", "checkpoint.export_hf=
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ks", nargs="+", type=int, help="max_off_policy_steps values (full: 0 1 2; quick: 0 2, "
                    "one vLLM start fewer)")
+    p.add_argument("--colocated", nargs="*", type=int, help="max_off_policy_steps values of colocated runs "
+                   "(cluster.colocate=true; full: 0 1, quick: 0; none: --colocated with no value)")
     p.add_argument("--steps", type=int, help="RL steps per run (quick 3, full 30)")
     p.add_argument("--sft", action="store_true", help="keep the SFT warm-up stage (default: stages=[rl])")
     p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
@@ -239,15 +245,18 @@ def run(args: argparse.Namespace) -> Report:
     base = [*preset["set"], f"rl.steps={steps}", *(o for o in FRESH if in_schema(o)), *args.set]
     if not args.sft:
         base.append("stages=[rl]")
-    configs = {k: default_config([*base, f"async.max_off_policy_steps={k}", f"run.dir={run_root / f'k{k}'}"])
-               for k in ks}
-    c0 = configs[ks[0]]
+    colocated = preset["colocated"] if args.colocated is None else args.colocated
+    runs = [("disaggregated", k) for k in ks] + [("colocated", k) for k in colocated]
+    configs = {(layout, k): default_config([*base, f"async.max_off_policy_steps={k}",
+                                            f"cluster.colocate={str(layout == 'colocated').lower()}",
+                                            f"run.dir={run_root / (layout[:5] + f'-k{k}')}"]) for layout, k in runs}
+    c0 = configs[runs[0]]
     report = Report("async", args.quick, params={
-        "ks": ks, "steps": steps, "repeats": args.repeats, "stages": c0.stages, "overrides": base,
+        "ks": ks, "colocated_ks": colocated, "steps": steps, "repeats": args.repeats, "stages": c0.stages, "overrides": base,
         "rl_batch_size": c0.rl.batch_size, "trainer_ranks": c0.trainer.num_ranks,
         "rollout_actors": c0.rollout.num_actors, "model_layers": c0.model.num_layers, "probe": not args.no_probe,
         "run_root": str(run_root)})
-    report.columns = [Column("k", "k"), Column("rep", "rep"), Column("steps", "steps"),
+    report.columns = [Column("layout", "layout"), Column("k", "k"), Column("rep", "rep"), Column("steps", "steps"),
                       Column("wall_s", "RL wall s", "{:.2f}"), Column("s_per_step", "s/step", "{:.3f}"),
                       Column("steady_s_per_step", "s/step 2+", "{:.3f}"), Column("speedup", "speedup", "{:.2f}"),
                       Column("train_s", "train s", "{:.2f}"), Column("sync_s", "sync s", "{:.2f}"),
@@ -256,23 +265,25 @@ def run(args: argparse.Namespace) -> Report:
                       Column("tokens_per_s", "tokens/s", "{:.0f}"), Column("run_total_s", "run total s", "{:.1f}")]
     cluster.connect(c0.cluster, benchmarks=True)  # one Ray cluster for every run
     for rep in range(args.repeats):  # k = 0, 1, 2, 0, 1, 2, ...: load drift hits every k alike
-        for k, c in configs.items():
-            print(f"--- async.max_off_policy_steps={k}: {steps} RL steps (repeat {rep + 1}/{args.repeats})",
+        for (layout, k), c in configs.items():
+            print(f"--- {layout}, async.max_off_policy_steps={k}: {steps} RL steps (repeat {rep + 1}/{args.repeats})",
                   flush=True)
-            report.rows.append({**measure_once(c, not args.no_probe, report.notes), "rep": rep})
-    walls = {k: median([r["wall_s"] for r in report.rows if r["k"] == k]) for k in ks}
-    steady = {k: median([r["steady_s_per_step"] for r in report.rows if r["k"] == k]) for k in ks}
+            report.rows.append({**measure_once(c, not args.no_probe, report.notes), "layout": layout, "rep": rep})
+    walls = {run: median([r["wall_s"] for r in report.rows if (r["layout"], r["k"]) == run]) for run in runs}
+    steady = {run: median([r["steady_s_per_step"] for r in report.rows if (r["layout"], r["k"]) == run])
+              for run in runs}
     for row in report.rows:
-        row["speedup"] = ratio(walls[ks[0]], row["wall_s"])
-    for k in ks[1:]:
-        report.ratios[f"speedup k={k} vs k={ks[0]} (RL wall)"] = ratio(walls[ks[0]], walls[k])
-        report.ratios[f"speedup k={k} vs k={ks[0]} (steps 2+)"] = ratio(steady[ks[0]], steady[k])
+        row["speedup"] = ratio(walls[runs[0]], row["wall_s"])
+    for run in runs[1:]:
+        name = f"k={run[1]}" if run[0] == "disaggregated" else f"colocated k={run[1]}"
+        report.ratios[f"speedup {name} vs k={ks[0]} (RL wall)"] = ratio(walls[runs[0]], walls[run])
+        report.ratios[f"speedup {name} vs k={ks[0]} (steps 2+)"] = ratio(steady[runs[0]], steady[run])
     report.notes += [
         ("RL wall: sum of step_seconds of the RL loop (start-up and evaluations excluded; 'run total s' has them); "
         "s/step 2+ leaves out the first step, which waits for the first batch at every k."),
         ("trainer idle = 1 - (train_seconds + sync_seconds) / wall, rank 0; rollout idle = 1 - (time with a group "
         "in flight outside weight loads) / wall, from the probe."),
-        f"speedups use the median over {args.repeats} repeat(s) per k; the runs alternate k on a shared machine.",
+        f"speedups use the median over {args.repeats} repeat(s) per run; the runs alternate on a shared machine.",
     ]
     return report
 

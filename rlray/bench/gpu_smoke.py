@@ -13,8 +13,11 @@ weights built from a config (gpu-step's models) it checks, one table row each:
 - side-stream gather: right after an optimizer step, the weights gathered for a sync while the
   consumer runs on a side stream (as vLLM's packed NCCL sender does) equal those gathered on the
   default stream, bit for bit; the memory the pass leaves reserved is reported;
+- optimizer offload (trainer.offload_optimizer, colocated GPUs): the AdamW state leaves the GPU
+  (its memory freed) and comes back, and a step runs after it;
 and once: two trainer ranks on one GPU are refused with one line, by the config check and by
-the trainer itself (two processes). Exit 0 when every check passed, 1 otherwise; on a machine
+the trainer itself (two processes); another process reads a CUDA tensor through an IPC handle
+(the mechanism of vLLM's ipc engine, the colocated handover). Exit 0 when every check passed, 1 otherwise; on a machine
 without CUDA, exit 1 with one line. `--cpu` runs the same checks on the CPU with tiny models
 (gloo, fp32), the CUDA-only ones reported as skipped: how CI tests this script.
 """
@@ -134,6 +137,7 @@ def check_model(arch: Arch, path: str, opts: dict[str, Any], device: str, peak: 
     rows.append(row("DCP save and load", arch.name, loaded == saved != moved, f"digest {saved}",
                     f"loaded {loaded}; a step between them gave {moved}"))
 
+    rows.append(check_offload(actor, mbs, arch.name, device))
     if device != "cuda":
         rows.append(row("side-stream gather", arch.name, None, "-", "CUDA streams only"))
     else:
@@ -148,6 +152,50 @@ def check_model(arch: Arch, path: str, opts: dict[str, Any], device: str, peak: 
     del actor
     finish(device)
     return rows
+
+
+def check_offload(actor: Any, mbs: Any, model: str, device: str) -> dict[str, Any]:
+    """trainer.offload_optimizer (colocated): the AdamW state leaves the GPU and comes back unchanged."""
+    import torch
+
+    if device != "cuda":
+        return row("optimizer offload", model, None, "-", "host memory already on CPU")
+    before = torch.cuda.memory_allocated()
+    out = actor.offload_optimizer(True)
+    freed = before - torch.cuda.memory_allocated()
+    back = actor.offload_optimizer(False)
+    res = actor.train_step(mbs)
+    ok = out > 0 and back == out and freed >= 0.9 * out and math.isfinite(res["loss"])
+    return row("optimizer offload", model, ok, f"{out / 2**30:.2f} GiB",
+               f"{freed / 2**30:.2f} GiB freed on the GPU; moved back, then a step (loss {res['loss']:.3g})")
+
+
+def _ipc_child(inbox: Any, outbox: Any) -> None:
+    tensor = inbox.get()  # a CUDA tensor arrives as an IPC handle (what vLLM's ipc engine ships)
+    outbox.put(float(tensor.double().sum()))
+
+
+def check_cuda_ipc(device: str) -> dict[str, Any]:
+    """The colocated GPU handover's mechanism: another process on this GPU reads a tensor through CUDA IPC."""
+    import torch
+    import torch.multiprocessing as tmp
+
+    if device != "cuda":
+        return row("CUDA IPC handover", "-", None, "-", "CUDA only")
+    ctx = tmp.get_context("spawn")
+    inbox, outbox = ctx.Queue(), ctx.Queue()
+    proc = ctx.Process(target=_ipc_child, args=(inbox, outbox))
+    proc.start()
+    tensor = torch.arange(1 << 20, device="cuda", dtype=torch.float32)
+    inbox.put(tensor)
+    try:
+        got = outbox.get(timeout=120)
+    except queue.Empty:
+        got = None
+    proc.join(timeout=30)
+    want = float(tensor.double().sum())
+    return row("CUDA IPC handover", "-", got == want, "read" if got == want else "not read",
+               f"sum {got} in the other process, {want} here")
 
 
 def _two_ranks(rank: int, master: str, out: Any) -> None:
@@ -224,7 +272,7 @@ def run(args: argparse.Namespace) -> Report:
         report.ratios[f"{arch.name} TFLOP/s / measured matmul"] = train["tflops"] / mm
         if peak:
             report.ratios[f"{arch.name} MFU (spec peak {peak:g} TFLOP/s)"] = train["tflops"] / peak
-    report.rows += check_shared_gpu(device)
+    report.rows += [*check_shared_gpu(device), check_cuda_ipc(device)]
     report.failed = [f"{r['check']} ({r['model']})" for r in report.rows if r["result"] == "FAIL"]
     report.notes = [f"measured matmul ({mm_what}): {mm:.3g} TFLOP/s on {device}",
                     f"{sum(r['result'] == 'ok' for r in report.rows)} ok, {len(report.failed)} failed, "

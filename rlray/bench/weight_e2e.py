@@ -140,7 +140,7 @@ class Setup:
                            lambda: ((n, p.detach().to(dtype)) for n, p in params()))
 
 
-def start_engine(loop: LoopThread, path: str, dtype: str, tp: int, lora_rank: int = 0) -> Any:
+def start_engine(loop: LoopThread, path: str, dtype: str, tp: int, lora_rank: int = 0, backend: str = "gloo") -> Any:
     from rlray.actors.engine import Engine
     from rlray.actors.rollout import cpu_binding
 
@@ -150,8 +150,8 @@ def start_engine(loop: LoopThread, path: str, dtype: str, tp: int, lora_rank: in
         kwargs["distributed_executor_backend"] = "mp"
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_binding(tp)
     try:
-        return loop.run(Engine.create(path, max_model_len=128, seed=0, engine_kwargs=kwargs, lora_rank=lora_rank),
-                        timeout=600)
+        return loop.run(Engine.create(path, max_model_len=128, seed=0, engine_kwargs=kwargs, lora_rank=lora_rank,
+                                      weights_backend=backend), timeout=600)
     finally:
         os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
 
@@ -164,10 +164,11 @@ def bucket_sizes(setup: Setup, wire: torch.dtype, bucket_mb: int) -> list[int]:
 
 
 def measure_engine(setup: Setup, loop: LoopThread, engine: Any, label: str, wire: torch.dtype, bucket_mb: int,
-                   repeats: int, lrs: list[float], raw: RawPeer, raw_times: dict[str, list[float]]
-                   ) -> list[dict[str, Any]]:
+                   repeats: int, lrs: list[float], raw: RawPeer, raw_times: dict[str, list[float]],
+                   backend: str = "gloo") -> list[dict[str, Any]]:
     """Dense rounds, then (for the engine's own wire dtype) delta rounds after optimizer steps;
-    a raw round of the dense sync's buckets before each timed one (into `raw_times[wire]`)."""
+    a raw round of the dense sync's buckets before each timed one (into `raw_times[wire]`). `backend`
+    "shm": the colocated handover (the driver as the trainer rank of the engine's bundle), dense only."""
     from rlray.weightsync.protocol import trainer_engine
     from rlray.weightsync.transport import TrainerSpec
 
@@ -175,8 +176,8 @@ def measure_engine(setup: Setup, loop: LoopThread, engine: Any, label: str, wire
     modes = [("dense", None)] + ([("delta", lr) for lr in lrs] if lrs else [])
     for mode, lr in modes:
         client = TimedClient(loop, [engine])
-        spec = TrainerSpec("gloo", "127.0.0.1", free_port(), 1 + engine.workers(), bucket_mb << 20, 300.0,
-                           delta=mode == "delta", full_every=1 << 30)
+        spec = TrainerSpec(backend, "127.0.0.1", free_port(), 1 + engine.workers(), bucket_mb << 20, 300.0,
+                           delta=mode == "delta", full_every=1 << 30, workers=engine.workers())
         transfer = trainer_engine(spec, 0, client, setup.source(wire))
         if mode == "delta":
             transfer.send_weights()  # the full sync a delta needs first
@@ -325,3 +326,22 @@ def measure_lora(path: str, dtype: str, bucket_mb: int, repeats: int, rank: int)
                      "gb_per_s": sent / median(times) / GB, "vs_raw": None,
                      "logprob_diff": max(d for _, _, _, d in samples[kind])})
     return rows
+
+
+def measure_colocated(path: str, bucket_mb: int, repeats: int) -> list[dict[str, Any]]:
+    """The colocated handover (rlray.weightsync.shm) into an fp32 TP1 engine: dense syncs of `bucket_mb`
+    rounds, each after a raw gloo broadcast of the same bytes (the "raw gloo" row it is measured against)."""
+    raw, loop, raw_times = RawPeer(), LoopThread(), {}
+    engine = start_engine(loop, path, "float32", 1, backend="shm")
+    try:
+        rows = measure_engine(Setup(path, 1e-4), loop, engine, "fp32 TP1 shm", torch.float32, bucket_mb, repeats, [],
+                              raw, raw_times, backend="shm")
+    finally:
+        loop.run(engine.shutdown(), timeout=120)
+        loop.close()
+        raw.close()
+    times = raw_times["float32"]
+    sent = rows[0]["mb_sent"] * 1e6
+    return [{"engine": "raw gloo", "wire": "float32", "mode": "broadcast only", "mb_sent": sent / 1e6,
+             "changed_frac": 1.0, "seconds": median(times), "seconds_all": times, "gb_per_s": sent / median(times) / GB,
+             "vs_raw": 1.0}, *rows]

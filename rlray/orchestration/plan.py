@@ -30,11 +30,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from rlray.config import Colocation, Config, ConfigError, engine_workers, weight_backend
+from rlray.config.colocation import TRAINER_GPU_SHARE
 from rlray.config.resources import needs
 from rlray.models.shape import ModelShape, human, model_shape
 from rlray.parallel.dims import ParallelDims
 from rlray.types import route_dtype
-from rlray.config.colocation import TRAINER_GPU_SHARE
 from rlray.weightsync.transport import BUCKET_BYTES, SHM_BUCKET_BYTES
 
 GB = 1e9
@@ -211,7 +211,9 @@ class Plan:
         dp = f" x DP {self.c.rollout.data_parallel_size}" if self.c.rollout.data_parallel_size > 1 else ""
         return (f"plan: {self.shape.name}, {human(self.shape.params)} parameters; trainer dp_shard={d.dp_shard} "
                 f"ep={d.ep} cp={d.cp}, ~{sum(self.trainer.values()) / GB:.1f} GB per rank; {self.c.rollout.num_actors} engine(s) "
-                f"x TP {self.c.rollout.tensor_parallel_size}{dp}, {e['weights'] / GB:.2f} GB weights each")
+                f"x TP {self.c.rollout.tensor_parallel_size}{dp}, {e['weights'] / GB:.2f} GB weights each"
+                + (f"; colocated in one placement group, weights handed over by {weight_backend(self.c)}"
+                   if self.c.cluster.colocate else ""))
 
     def render(self) -> str:
         c, s, d = self.c, self.shape, self.dims

@@ -173,7 +173,7 @@ class ShmTrainerWeightTransferEngine(TrainerWeightTransferEngine[ShmTrainerInitI
         for bucket in plan:
             flat = None if file is None else file[:bucket_bytes(bucket)].view(to_dtype(bucket.dtype))
             for spec in bucket.tensors:
-                name, tensor = next(tensors)
+                _, tensor = next(tensors)
                 if flat is not None:
                     flat[spec.offset:spec.offset + spec.numel].copy_(tensor.reshape(-1))
             _barrier()

@@ -67,11 +67,13 @@ def test_gpu_smoke_checks_run_on_cpu(tmp_path: Path) -> None:
     results = {(r["check"], r["model"]): r["result"] for r in report["rows"]}
     skipped = {k for k, v in results.items() if v == "skipped"}
     assert skipped == {("side-stream gather", "dense-tiny"), ("side-stream gather", "moe-tiny"),
-                       ("two ranks, one GPU: trainer", "-")}, results
+                       ("optimizer offload", "dense-tiny"), ("optimizer offload", "moe-tiny"),
+                       ("two ranks, one GPU: trainer", "-"), ("CUDA IPC handover", "-")}, results
     assert all(v == "ok" for k, v in results.items() if k not in skipped), results
     assert {c for c, _ in results} == {"setup", "logprobs vs transformers fp32", "train step", "DCP save and load",
-                                       "side-stream gather", "two ranks, one GPU: config", "two ranks, one GPU: trainer"}
-    assert report["failed"] == [] and "9 ok, 0 failed, 3 skipped" in stdout
+                                       "side-stream gather", "optimizer offload", "two ranks, one GPU: config",
+                                       "two ranks, one GPU: trainer", "CUDA IPC handover"}
+    assert report["failed"] == [] and "9 ok, 0 failed, 6 skipped" in stdout
 
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="this machine has CUDA: the smoke would run")
@@ -116,7 +118,11 @@ def test_weight_sync_quick(tmp_path: Path) -> None:
         assert {r["bucket_mb"] for r in rows if r["size"] == size and r["method"] == "bucketed"} == {16, "1 tensor"}
     assert all(0 < r["vs_memcpy"] for r in rows)
     assert "bucketed(16MB) / per-tensor" in stdout and "x memcpy" in stdout
-    e2e, lora = report["sections"]
+    e2e, lora, colocated = report["sections"]
+    raw, handover = colocated["rows"]
+    assert (raw["engine"], handover["engine"], handover["mode"]) == ("raw gloo", "fp32 TP1 shm", "dense")
+    assert handover["mb_sent"] == raw["mb_sent"] > 0 and handover["logprob_diff"] < 1e-3  # exact fp32 handover
+    assert "10MB colocated shm handover / raw gloo broadcast seconds" in report["ratios"]
     full, adapter = lora["rows"]
     assert (full["mode"], adapter["mode"]) == ("full (base weights)", "adapter only")
     assert 0 < adapter["mb_sent"] < 0.25 * full["mb_sent"]
@@ -151,8 +157,9 @@ def test_rollout_quick(tmp_path: Path) -> None:
 def test_async_quick(tmp_path: Path) -> None:
     _, report = bench("async", tmp_path, "--run-dir", str(tmp_path / "runs"), timeout=900.0)
     rows = report["rows"]
-    assert [r["k"] for r in rows] == [0, 2]
+    assert [(r["layout"], r["k"]) for r in rows] == [("disaggregated", 0), ("disaggregated", 2), ("colocated", 0)]
     positive(rows, "steps", "wall_s", "s_per_step", "train_s", "sync_s", "tokens_per_s", "speedup", "window_s")
+    assert rows[2]["lag_mean"] == 0.0 and "speedup colocated k=0 vs k=0 (steps 2+)" in report["ratios"]
     for r in rows:
         assert 0.0 <= r["trainer_idle"] <= 1.0 and 0.0 <= r["rollout_idle"] <= 1.0
         assert r["steps"] == report["params"]["steps"]

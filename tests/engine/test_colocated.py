@@ -21,7 +21,15 @@ from rlray.config import ModelConfig
 from rlray.weightsync.protocol import trainer_engine
 from rlray.weightsync.shm import shm_file
 from rlray.weightsync.transport import TrainerSpec
-from tests.engine.test_engine_sync import ENGINE_KWARGS, PROMPT, TOKENS, Trainer, build_model, free_port, max_diff
+from tests.engine.test_engine_sync import (
+    ENGINE_KWARGS,
+    PROMPT,
+    TOKENS,
+    Trainer,
+    build_model,
+    free_port,
+    max_diff,
+)
 
 pytest.importorskip("vllm")
 
