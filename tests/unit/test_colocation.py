@@ -191,3 +191,20 @@ def test_the_optimizer_state_moves_and_adamw_step_counts_stay() -> None:
     for st in learner.optimizer.state.values():
         assert st["exp_avg"].is_meta and st["exp_avg_sq"].is_meta and not st["step"].is_meta
     assert Learner.move_optimizer_state(learner, torch.device("meta")) == 0  # already there  # type: ignore[arg-type]
+
+
+def test_a_dev_shm_without_room_for_a_round_is_one_line(tmp_path, monkeypatch) -> None:
+    pytest.importorskip("vllm")
+    from types import SimpleNamespace
+
+    from rlray.weightsync import shm
+
+    monkeypatch.setattr(shm.os, "statvfs", lambda _: SimpleNamespace(f_bavail=16, f_frsize=4096))  # 64 KiB free
+    with pytest.raises(RuntimeError, match=r"has 0 MiB free but one weight handover round needs 1 MiB") as e:
+        shm.map_file(tmp_path / "round", 1 << 20, create=True)
+    assert "\n" not in str(e.value) and "--shm-size" in str(e.value) and "weights.bucket_mb" in str(e.value)
+    assert not (tmp_path / "round").exists()
+    monkeypatch.undo()
+    mapped = shm.map_file(tmp_path / "round", 1 << 20, create=True)
+    mapped[:4] = torch.tensor([1, 2, 3, 4], dtype=torch.uint8)
+    assert shm.map_file(tmp_path / "round", 1 << 20)[:4].tolist() == [1, 2, 3, 4]  # another mapping sees it
