@@ -45,6 +45,11 @@ def _plan(config: Config) -> Plan:
 
         check_local(config, " ".join(["python -m rlray.launch", *sys.argv[1:]]))
         load_envs(config.env)  # an unknown env id, a missing package or biasing sampling args: one line, no Ray
+        if config.teacher.enabled:
+            from rlray.models.tiny import model_path
+            from rlray.orchestration.teachers import check_tokenizer
+
+            check_tokenizer(model_path(config.model), config.teacher.name)
     from rlray.algo.loss import resolve
     from rlray.orchestration.plan import make_plan
 

@@ -53,6 +53,7 @@ class Rollout:
     turns: int = 1  # model turns
     stop: str = ""  # the verifiers stop condition that ended it (max_turns_reached, turn_truncated, ...)
     routing: np.ndarray | None = None  # [P + C, MoE layers, top-k] (route_dtype): the engine's experts per position
+    teacher_logprobs: np.ndarray | None = None  # float32 [C]: the distillation teacher's logprob of each token
 
     @property
     def min_version(self) -> int:
@@ -64,7 +65,8 @@ class Group:
     """The rollouts of one prompt; advantages are computed within a group."""
 
     rollouts: list[Rollout]
-    advantages: np.ndarray | None = None  # float32 [len(rollouts)], set by the buffer
+    # set by the buffer: float32 [len(rollouts)], one per rollout; or (algo.loss=opd) one float32 [C] per rollout
+    advantages: np.ndarray | list[np.ndarray] | None = None
     ticket: int = -1  # the buffer ticket it was produced for (its number names the prompt)
 
     @property

@@ -14,6 +14,15 @@ Contract:
   returns every ticket a dead actor still held.
 - A rollout sampled under biasing args (`Rollout.biased`) goes to the trainer with NaN
   inference logprobs: mu unknown, the trainer takes its own batch-start policy instead.
+- On-policy distillation (`algo.loss=opd`, teachers given by `set_teachers(teachers)`: objects whose
+  `score(sequences)` returns an awaitable of `TeacherActor.score`'s result): a group
+  that arrives is sent whole to a teacher (round robin) to be scored (`TeacherActor.score` of each
+  valid rollout's prompt + completion) while the buffer serves other calls; it is queued once
+  scored, with per-token advantages (rlray.algo.advantages.opd_advantages). A group whose scoring
+  fails (a teacher died: the pool replaces it and calls `set_teachers` again) is dropped and
+  counted (`teacher_failed_groups`). `step_stats` adds `teacher_kl`, `teacher_seconds` (the mean time
+  one group's scoring took since the last batch) and `teacher_tokens_per_s` (tokens scored per wall second since
+  the last batch).
 - `get_batch(step)` waits until G fresh groups are queued, drops (and counts) groups
   older than `step - k`, takes the G with the lowest tickets, and returns one list of packed
   micro-batches per trainer rank (with one rank, that rank's list itself: what Ray's
@@ -43,7 +52,7 @@ from typing import Any
 
 import numpy as np
 
-from rlray.algo.advantages import compute_advantages, trains_on, valid
+from rlray.algo.advantages import compute_advantages, opd_advantages, teacher_kl, trains_on, valid
 from rlray.config import AlgoConfig
 from rlray.data.packing import Sample, pack
 from rlray.envs.instrument import error_kind
@@ -75,6 +84,11 @@ class BufferActor:
         self.held: dict[int, set[int]] = {}  # tickets granted to each rollout actor, not yet put or cancelled
         self.counts = {"stale_dropped": 0, "zero_adv_dropped": 0, "invalid_groups_dropped": 0, "groups_in": 0,
                        "biased_rollouts": 0, "rollout_errors": 0}
+        self.teachers: list[Any] = []  # algo.loss=opd: the teacher actors (set_teachers)
+        self._turn = 0  # the next teacher to score a group
+        self._scoring: set[asyncio.Task] = set()
+        self.teacher_error: str | None = None  # the last scoring failure, one line
+        self._scored = {"tokens": 0, "seconds": 0.0, "groups": 0}  # since the last batch
         self._stats: dict[int, dict[str, Any]] = {}
         self.generated_tokens = 0  # completion tokens of every group put, dropped ones too
         self._rate_mark: tuple[float, int] | None = None  # (time, generated_tokens) at the last batch
@@ -119,17 +133,54 @@ class BufferActor:
                         self.counts[kind] = self.counts.get(kind, 0) + 1
                 if valid(g).sum() < 2:  # no baseline to compare with
                     self._drop(g, "invalid_groups_dropped")
-                    continue
-                g.advantages = compute_advantages(g, self.algo)  # with DAPO's overlong penalty if set
-                if self.algo.filter_zero_advantage and np.ptp(g.rewards[valid(g)]) == 0:  # DAPO: on raw rewards
-                    self._drop(g, "zero_adv_dropped")
-                    continue
-                self.queue.append(g)
+                elif self.teachers:
+                    task = asyncio.create_task(self._score(g))
+                    self._scoring.add(task)
+                    task.add_done_callback(self._scoring.discard)
+                else:
+                    self._admit(g)
+            self._ready.notify_all()
+
+    def _admit(self, g: Group) -> None:
+        """The group's advantages; queued unless DAPO's dynamic sampling drops it."""
+        if self.algo.loss == "opd":
+            g.advantages = opd_advantages(g, self.algo)
+        else:
+            g.advantages = compute_advantages(g, self.algo)  # with DAPO's overlong penalty if set
+        if self.algo.filter_zero_advantage and np.ptp(g.rewards[valid(g)]) == 0:  # DAPO: on raw rewards
+            self._drop(g, "zero_adv_dropped")
+            return
+        self.queue.append(g)
+
+    async def set_teachers(self, teachers: list[Any]) -> None:
+        self.teachers = list(teachers)
+
+    async def _score(self, g: Group) -> None:
+        """The group's valid rollouts scored by the next teacher, then admitted; dropped when scoring fails."""
+        teacher = self.teachers[self._turn % len(self.teachers)]
+        self._turn += 1
+        ok = [r for r in g.rollouts if r.error is None]
+        sequences = [(np.concatenate([r.prompt_ids, r.completion_ids]), len(r.prompt_ids)) for r in ok]
+        t0 = time.perf_counter()
+        try:
+            scores = await teacher.score(sequences)
+        except Exception as e:  # noqa: BLE001 - any failure costs the group only: a dead teacher, its engine
+            self.teacher_error = " ".join(f"{type(e).__name__}: {e}".split())[:300]
+            async with self._ready:
+                self._drop(g, "teacher_failed_groups")
+            return
+        self._scored["seconds"] += time.perf_counter() - t0
+        self._scored["tokens"] += sum(len(s) for s in scores)
+        self._scored["groups"] += 1
+        for r, s in zip(ok, scores):
+            r.teacher_logprobs = s
+        async with self._ready:
+            self._admit(g)
             self._ready.notify_all()
 
     def _drop(self, g: Group, counter: str) -> None:
         """A group that will not be trained on: counted, its ticket granted again, its prompt done."""
-        self.counts[counter] += 1
+        self.counts[counter] = self.counts.get(counter, 0) + 1
         self.released += 1
         self._consume([g.ticket])
 
@@ -172,7 +223,7 @@ class BufferActor:
     def _samples(self, groups: list[Group], step: int) -> list[Sample]:
         return [
             Sample(r.prompt_ids, r.completion_ids, r.loss_mask.astype(np.float32) * trains_on(r, self.algo),
-                   float(a), np.full_like(r.logprobs, np.nan) if r.biased else r.logprobs, step - r.versions,
+                   a if np.ndim(a) else float(a), np.full_like(r.logprobs, np.nan) if r.biased else r.logprobs, step - r.versions,
                    r.routing)
             for g in groups
             for r, a in zip(g.rollouts, g.advantages)
@@ -197,9 +248,24 @@ class BufferActor:
             "truncated_frac": sum(r.finish_reason == "length" for g in groups for r in g.rollouts)
             / max(1, len(rewards)),
             **_env_stats([r for g in groups for r in g.rollouts]),
+            **self._teacher_stats(groups, now - since),
             **self.counts,
             "queued": len(self.queue),
         }
+
+    def _teacher_stats(self, groups: list[Group], seconds: float) -> dict[str, float]:
+        if not self.teachers:
+            return {}
+        scored, self._scored = self._scored, {"tokens": 0, "seconds": 0.0, "groups": 0}
+        kl = teacher_kl([r for g in groups for r in g.rollouts])
+        return {**({"teacher_kl": kl} if kl is not None else {}),
+                "teacher_seconds": scored["seconds"] / max(scored["groups"], 1),
+                "teacher_tokens_per_s": scored["tokens"] / max(seconds, 1e-9),
+                "teacher_failed_groups": self.counts.get("teacher_failed_groups", 0)}
+
+    async def teacher_state(self) -> dict[str, Any]:
+        """Groups being scored now, and the last scoring failure."""
+        return {"scoring": len(self._scoring), "last_error": self.teacher_error}
 
     async def queued(self, step: int) -> int:
         return sum(step - g.version <= self.k for g in self.queue)

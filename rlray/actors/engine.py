@@ -107,7 +107,7 @@ class Engine:
 
     @classmethod
     async def create(cls, model_path: str, *, max_model_len: int, seed: int = 0,
-                     kv_cache_fraction: float = 0.05, weights_backend: str = "gloo",
+                     kv_cache_fraction: float = 0.05, weights_backend: str | None = "gloo",
                      engine_kwargs: dict[str, Any] | None = None, capture_routing: bool = False,
                      lora_rank: int = 0) -> Engine:
         """Start the engine (15-25 s on CPU); call from inside the event loop that will use it.
@@ -125,9 +125,10 @@ class Engine:
             "seed": seed,
             "gpu_memory_utilization": kv_cache_fraction,
             "logprobs_mode": "processed_logprobs",
-            "weight_transfer_config": {"backend": weights_backend},
             "enable_prefix_caching": True,
         }
+        if weights_backend is not None:  # None: an engine that never takes weights (a distillation teacher)
+            kwargs["weight_transfer_config"] = {"backend": weights_backend}
         if capture_routing or lora_rank:
             kwargs["worker_extension_cls"] = "rlray.actors.extension.WorkerExtension"
         if capture_routing:

@@ -15,6 +15,11 @@ Contract:
 - `compute_advantages(group, cfg)`: the above, as configured by `AlgoConfig`, over the
   group's valid rollouts only (`valid`: no error); a failed rollout's reward 0 never
   enters the mean or std, and its advantage is 0.
+- `opd_advantages(group, cfg)` (algo.loss=opd, on-policy distillation): one array per rollout, per
+  completion token t: log pi_teacher(y_t) - log mu(y_t) on model tokens (the negative of the per-token
+  reverse-KL estimate; teacher and behaviour logprobs both at temperature 1), plus
+  `opd_reward_coef` x the rollout's group advantage above; 0 on environment tokens and for failed rollouts.
+  `teacher_kl(rollouts)` is the mean over model tokens of log mu - log pi_teacher (reverse KL, k1).
 - `trains_on(rollout, cfg)`: 0.0 for a truncated completion (finish_reason "length")
   when `overlong_filter` is on (DAPO's overlong filtering masks its loss), else 1.0.
 A completion's length is its number of model tokens (loss-mask ones).
@@ -79,6 +84,27 @@ def compute_advantages(group: Group, cfg: AlgoConfig) -> np.ndarray:
     if ok.any():
         adv[ok] = group_advantages(shaped_rewards(group, cfg)[ok], cfg.std_normalize, cfg.std_eps, cfg.baseline)
     return adv
+
+
+def opd_advantages(group: Group, cfg: AlgoConfig) -> list[np.ndarray]:
+    base = compute_advantages(group, cfg) if cfg.opd_reward_coef else np.zeros(len(group.rollouts), np.float32)
+    out = []
+    for r, a in zip(group.rollouts, base):
+        if r.error is not None or r.teacher_logprobs is None:
+            out.append(np.zeros(len(r.completion_ids), np.float32))
+            continue
+        model = np.asarray(r.loss_mask) > 0
+        gap = np.where(model, np.asarray(r.teacher_logprobs, np.float64) - np.asarray(r.logprobs, np.float64), 0.0)
+        out.append((gap + cfg.opd_reward_coef * float(a) * model).astype(np.float32))
+    return out
+
+
+def teacher_kl(rollouts: list[Rollout]) -> float | None:
+    """Mean over the scored rollouts' model tokens of log mu - log pi_teacher; None when none was scored."""
+    gaps = [(np.asarray(r.logprobs, np.float64) - r.teacher_logprobs)[np.asarray(r.loss_mask) > 0]
+            for r in rollouts if r.teacher_logprobs is not None and r.error is None]
+    gaps = [g for g in gaps if len(g)]
+    return float(np.concatenate(gaps).mean()) if gaps else None
 
 
 def trains_on(r: Rollout, cfg: AlgoConfig) -> float:

@@ -162,6 +162,10 @@ def _finish(per_token: Tensor, outside: Tensor, logp_train: Tensor, logp_infer: 
     return aggregate(per_token, mask, aggregation(cfg)), stats
 
 
+@loss("opd", "On-policy distillation — Agarwal et al. 2024, GKD ([2306.13649](https://arxiv.org/abs/2306.13649)); "
+      "Lu & Thinking Machines 2025", "per-token advantage log π_teacher − log μ (reverse KL to a served teacher, "
+      "`teacher.name`), + `algo.opd_reward_coef` × the group advantage; PPO clip, token-level mean",
+      aggregation="token", std_normalize=True, eps_low=0.2, eps_high=0.2)
 @loss("dr_grpo", "Dr.GRPO — Liu et al. 2025 ([2503.20783](https://arxiv.org/abs/2503.20783))",
       "token sum / (G · L_max), advantage r − mean without std (L_max = `algo.max_tokens`, default "
       "`rollout.max_tokens`)", aggregation="constant", std_normalize=False, eps_low=0.2, eps_high=0.2)
@@ -183,6 +187,9 @@ def clipped_surrogate(logp_train: Tensor, logp_infer: Tensor, advantages: Tensor
     sampling (algo.filter_zero_advantage) and overlong shaping (algo.overlong_*) live in the buffer.
     Dr.GRPO: A = r - mean(r) (algo.std_normalize=false), J = 1/(G * L_max) sum_i sum_t l_t
     (constant, L_max = algo.max_tokens), so neither length nor group std biases the update.
+    OPD: A_t = log pi_teacher(y_t) - log mu(y_t) (+ opd_reward_coef x the group advantage), per token
+    (rlray.algo.advantages.opd_advantages), J = 1/sum_i |o_i| sum_i sum_t l_t (token): the surrogate's
+    gradient is the reverse KL's to the teacher, with the ratio and clip of every other loss.
     ratio_correction=mask drops tokens outside the band instead: l_t = -r_t A 1[r_t in band].
     """
     ratio = torch.exp(_log_ratio(logp_train, logp_infer, mask, cfg, logp_prox))
@@ -324,8 +331,8 @@ def _check(cfg: AlgoConfig) -> None:
     if not 0 <= cfg.correction_low < 1 < cfg.correction_high:
         raise ValueError(f"algo.correction_low={cfg.correction_low} must be in [0, 1) and "
                          f"algo.correction_high={cfg.correction_high} > 1")
-    if cfg.kl_coef < 0 or cfg.mismatch_kl_coef < 0 or cfg.ratio_cap < 0:
-        raise ValueError("algo.kl_coef, algo.mismatch_kl_coef and algo.ratio_cap must be >= 0")
+    if cfg.kl_coef < 0 or cfg.mismatch_kl_coef < 0 or cfg.ratio_cap < 0 or cfg.opd_reward_coef < 0:
+        raise ValueError("algo.kl_coef, algo.mismatch_kl_coef, algo.ratio_cap and algo.opd_reward_coef must be >= 0")
     if cfg.mini_batches < 1 or cfg.epochs < 1:
         raise ValueError(f"algo.mini_batches={cfg.mini_batches} and algo.epochs={cfg.epochs} must be >= 1")
     if aggregation(cfg) == "constant" or cfg.overlong_buffer > 0:

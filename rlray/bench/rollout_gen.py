@@ -172,7 +172,7 @@ def _worker_main(argv: list[str]) -> None:
     a = p.parse_args(argv)
     from rlray.models.tiny import model_path
 
-    model, rc = ModelConfig(**MODELS[a.model]), RolloutConfig()
+    model, rc = ModelConfig(**MODELS[a.model]), RolloutConfig(temperature=RolloutConfig.DEFAULT_TEMPERATURE)
     if a.worker == "vllm":
         result = _vllm_worker(model_path(model), rc, a.groups, a.passes)
     else:
@@ -211,7 +211,7 @@ def run(args: argparse.Namespace) -> Report:
     preset = QUICK if args.quick else FULL
     models = args.models or preset["models"]
     groups, passes = args.groups or preset["groups"], args.passes or preset["passes"]
-    rc = RolloutConfig()
+    rc = RolloutConfig(temperature=RolloutConfig.DEFAULT_TEMPERATURE)
     report = Report("rollout", args.quick, params={
         "models": models, "groups_per_pass": groups, "group_size": rc.group_size, "passes": passes,
         "temperature": rc.temperature, "max_tokens": rc.max_tokens, "kv_cache_gb": rc.kv_cache_gb,

@@ -24,6 +24,7 @@ from rlray.config.schema import (
     RolloutConfig,
     RunConfig,
     SFTConfig,
+    TeacherConfig,
     TrainerConfig,
     WeightSyncConfig,
 )
@@ -47,6 +48,7 @@ __all__ = [
     "RolloutConfig",
     "RunConfig",
     "SFTConfig",
+    "TeacherConfig",
     "TrainerConfig",
     "WeightSyncConfig",
     "backend",

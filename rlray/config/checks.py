@@ -137,6 +137,7 @@ def validate(c: Config) -> None:
              "engine, which rlray does not drive yet; set weights.delta=false")
     _check_lora(c)
     _check_colocate(c)
+    _check_teacher(c)
     _require(not c.checkpoint.export_merged or c.trainer.lora.enabled,
              "checkpoint.export_merged=true merges LoRA adapters, but trainer.lora.rank=0 (the export is the whole "
              "model already); set checkpoint.export_merged=false")
@@ -199,3 +200,33 @@ def _check_colocate(c: Config) -> None:
                                   "bytes on a network; set weights.delta=false")
     _require(not t.offload_optimizer or on_gpu, "trainer.offload_optimizer=true needs GPUs (on CPU the optimizer "
                                                 "state is in host memory already); set it false")
+
+
+def _check_teacher(c: Config) -> None:
+    """On-policy distillation's teacher pool (rlray.actors.teacher) against algo.loss=opd."""
+    t, opd = c.teacher, c.algo.loss == "opd"
+    _require(not opd or t.enabled, "algo.loss=opd distills from a teacher: set teacher.name to an HF id or a model "
+                                   "folder (a run's exported hf/), or choose another algo.loss")
+    _require(opd or not t.enabled, f"teacher.name='{t.name}' but algo.loss={c.algo.loss}: only algo.loss=opd asks the "
+                                   "teacher for scores; set algo.loss=opd, or drop teacher.name")
+    _require(not opd or c.rollout.temperature == 1.0,
+             f"algo.loss=opd with rollout.temperature={c.rollout.temperature:g}: the teacher's logprobs are vLLM "
+             "prompt logprobs (temperature 1), so the student must sample at temperature 1 too or the advantage is "
+             "biased; drop rollout.temperature (it defaults to 1 under opd) or set it to 1")
+    if not t.enabled:
+        return
+    _require(t.num_actors >= 1, f"teacher.num_actors={t.num_actors} must be >= 1")
+    _require(t.max_restarts >= 0, f"teacher.max_restarts={t.max_restarts} must be >= 0")
+    on_cpu = t.gpus_per_actor == 0
+    _require(on_cpu or t.gpus_per_actor == t.tensor_parallel_size,
+             f"teacher.gpus_per_actor={t.gpus_per_actor:g} but teacher.tensor_parallel_size={t.tensor_parallel_size}: "
+             "a teacher engine uses one whole GPU per worker; make them equal")
+    _require(not on_cpu or t.tensor_parallel_size <= t.cpus_per_actor,
+             f"teacher.tensor_parallel_size={t.tensor_parallel_size} needs as many CPUs in the teacher's bundle; "
+             f"set teacher.cpus_per_actor >= {t.tensor_parallel_size}")
+    _require(t.dtype in ("float32", "bfloat16", "float16"),
+             f"teacher.dtype='{t.dtype}'; choose float32, bfloat16 or float16")
+    _require(0 < t.kv_cache_fraction < 1, f"teacher.kv_cache_fraction={t.kv_cache_fraction:g} must be in (0, 1)")
+    _require(t.max_model_len >= c.rollout.max_model_len,
+             f"teacher.max_model_len={t.max_model_len} is shorter than rollout.max_model_len={c.rollout.max_model_len}: "
+             "the teacher scores whole student sequences; raise it or leave it unset")

@@ -23,12 +23,15 @@ DEV = Path("/dev")
 
 
 def needs(c: Config) -> tuple[float, float]:
-    """(GPUs, CPUs) that the run's bundles ask of the cluster (colocated: the engines use the trainer's GPUs)."""
-    t, r = c.trainer, c.rollout
+    """(GPUs, CPUs) that the run's bundles ask of the cluster (colocated: the engines use the trainer's GPUs;
+    a distillation teacher pool has bundles of its own)."""
+    t, r, te = c.trainer, c.rollout, c.teacher
+    teacher = (te.num_actors * te.gpus_per_actor, te.num_actors * te.cpus_per_actor) if te.enabled else (0.0, 0.0)
     if c.cluster.colocate:
-        return t.num_ranks * t.gpus_per_rank, t.num_ranks * t.cpus_per_rank + r.num_actors * r.cpus_per_actor
-    return (t.num_ranks * t.gpus_per_rank + r.num_actors * r.gpus_per_actor,
-            t.num_ranks * t.cpus_per_rank + r.num_actors * r.cpus_per_actor)
+        return (t.num_ranks * t.gpus_per_rank + teacher[0],
+                t.num_ranks * t.cpus_per_rank + r.num_actors * r.cpus_per_actor + teacher[1])
+    return (t.num_ranks * t.gpus_per_rank + r.num_actors * r.gpus_per_actor + teacher[0],
+            t.num_ranks * t.cpus_per_rank + r.num_actors * r.cpus_per_actor + teacher[1])
 
 
 def is_local(c: Config) -> bool:
@@ -80,6 +83,7 @@ def check_local(c: Config, command: str = "python -m rlray.launch ...") -> None:
                           f"submit it to a Ray cluster (ray job submit --address http://HEAD:8265 --working-dir . -- "
                           f"{command}), or run its CPU twin here ({command} +twin={'cpu_cp' if t.cp > 1 else 'cpu'})")
     if cpus > c.cluster.num_cpus:
+        te = f" + teacher ({c.teacher.num_actors}x{c.teacher.cpus_per_actor:g})" if c.teacher.enabled else ""
         raise ConfigError(f"trainer ({t.num_ranks}x{t.cpus_per_rank:g}) + rollout ({r.num_actors}x"
-                          f"{r.cpus_per_actor:g}) need {cpus:g} CPUs but cluster.num_cpus={c.cluster.num_cpus}; "
+                          f"{r.cpus_per_actor:g}){te} need {cpus:g} CPUs but cluster.num_cpus={c.cluster.num_cpus}; "
                           "raise cluster.num_cpus or lower the counts")

@@ -3,7 +3,8 @@
 Contract: `Config` holds one typed section per component (each component is handed only its
 own). A section's keys left unset take their device's default where they have one
 (`RolloutConfig.CPU_DEFAULTS` / `GPU_DEFAULTS`, `TrainerConfig.param_dtype`) when the section is
-built; the algorithm's presets are applied by rlray.algo (config knows no algorithm). User errors
+built; the algorithm's presets are applied by rlray.algo (config knows no algorithm, except that
+`rollout.temperature` defaults to 1 under algo.loss=opd, whose teacher scores at temperature 1). User errors
 are `ConfigError`, one line naming the key and the fix.
 """
 
@@ -98,7 +99,8 @@ class RolloutConfig:
     cpus_per_actor: float = 1.0
     gpus_per_actor: float = 0.0
     group_size: int = 8
-    temperature: float = 0.7
+    # None: DEFAULT_TEMPERATURE, or 1 under algo.loss=opd (the teacher's prompt logprobs are temperature 1)
+    temperature: float | None = None
     max_tokens: int = 16
     max_model_len: int = 128
     # None below: the engine's device default (GPU_DEFAULTS when gpus_per_actor > 0, else CPU_DEFAULTS)
@@ -123,12 +125,46 @@ class RolloutConfig:
                                               "kv_cache_gb": 0.25}
     GPU_DEFAULTS: ClassVar[dict[str, Any]] = {"dtype": "bfloat16", "enforce_eager": False, "kv_cache_fraction": 0.85,
                                               "kv_cache_gb": 0.0}
+    DEFAULT_TEMPERATURE: ClassVar[float] = 0.7
 
     def __post_init__(self) -> None:
-        defaults = self.GPU_DEFAULTS if self.gpus_per_actor > 0 else self.CPU_DEFAULTS
-        for key, value in defaults.items():
-            if getattr(self, key) is None:
-                setattr(self, key, value)
+        _device_defaults(self, self.gpus_per_actor)
+
+
+def _device_defaults(section: Any, gpus: float) -> None:
+    """An engine section's keys left None take their device's default (RolloutConfig.*_DEFAULTS)."""
+    defaults = RolloutConfig.GPU_DEFAULTS if gpus > 0 else RolloutConfig.CPU_DEFAULTS
+    for key, value in defaults.items():
+        if getattr(section, key) is None:
+            setattr(section, key, value)
+
+
+@dataclass
+class TeacherConfig:
+    """On-policy distillation's teacher pool (algo.loss=opd): vLLM engines that only score the student's
+    rollouts (prompt logprobs), never generate and never take a weight sync. README "Distillation"."""
+
+    name: str = ""  # an HF id or local folder (a run's exported hf/); "": no teacher
+    num_actors: int = 1
+    cpus_per_actor: float = 1.0
+    gpus_per_actor: float = 0.0
+    tensor_parallel_size: int = 1  # = gpus_per_actor on GPUs
+    max_model_len: int = II("rollout.max_model_len")  # the student's prompt + completion must fit
+    # None below: the device default, as for rollout.*
+    dtype: str | None = None
+    enforce_eager: bool | None = None
+    kv_cache_fraction: float | None = None
+    kv_cache_gb: float | None = None
+    max_restarts: int = 3  # teacher actors replaced after a crash, in all; 0: a crash ends the run
+    node_labels: dict[str, str] = field(default_factory=dict)  # teacher engines only on Ray nodes with these labels
+    engine_kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        _device_defaults(self, self.gpus_per_actor)
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.name)
 
 
 @dataclass
@@ -160,6 +196,7 @@ class AlgoConfig:
     correction_low: float = 0.0  # mis: mask weights below this
     correction_high: float = 2.0  # tis: truncate at this; mis: mask weights above this
     kl_coef: float = 0.0  # k3 KL to a frozen reference model (the policy at the first RL step); 0: no reference
+    opd_reward_coef: float = 0.0  # opd: weight of the environment's group advantage beside the teacher's (0: teacher alone)
 
 
 @dataclass
@@ -312,6 +349,7 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    teacher: TeacherConfig = field(default_factory=TeacherConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     async_: AsyncConfig = field(default_factory=AsyncConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
@@ -324,6 +362,8 @@ class Config:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
     def __post_init__(self) -> None:
+        if self.rollout.temperature is None:  # on-policy distillation scores teacher and student at temperature 1
+            self.rollout.temperature = 1.0 if self.algo.loss == "opd" else RolloutConfig.DEFAULT_TEMPERATURE
         lora = self.trainer.lora
         if lora.base_dtype is None:
             lora.base_dtype = "float32" if "sft" in self.stages else self.trainer.param_dtype

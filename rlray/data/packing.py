@@ -34,7 +34,7 @@ class Sample:
     prompt_ids: np.ndarray
     completion_ids: np.ndarray
     loss_mask: np.ndarray  # [C]
-    advantage: float
+    advantage: float | np.ndarray  # one for the sequence, or one per completion token [C]
     logprobs: np.ndarray  # [C]
     lag: np.ndarray | None = None  # [C]: trainer step minus the policy version that sampled each token
     routing: np.ndarray | None = None  # [P + C, MoE layers, top-k]: the engine's experts (rlray.types.no_route: none)

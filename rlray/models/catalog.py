@@ -30,6 +30,11 @@ QWEN3_30B_A3B = {  # Qwen/Qwen3-30B-A3B: 30.5B total, 3.3B active
     "max_position_embeddings": 40960, "rope_theta": 1000000.0, "tie_word_embeddings": False,
     "rms_norm_eps": 1e-6,
 }
+QWEN3_4B = {  # Qwen/Qwen3-4B: 4.0B, dense (the distill recipe's student)
+    "vocab_size": 151936, "hidden_size": 2560, "intermediate_size": 9728, "num_hidden_layers": 36,
+    "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "max_position_embeddings": 40960,
+    "rope_theta": 1000000.0, "tie_word_embeddings": True, "rms_norm_eps": 1e-6,
+}
 
 
 @dataclass(frozen=True)
@@ -44,6 +49,7 @@ class Entry:
 CATALOG: dict[str, Entry] = {
     "zai-org/GLM-4.5-Air": Entry("glm4_moe", GLM45_AIR, "106B", "12B", active_with_embeddings=False),
     "Qwen/Qwen3-30B-A3B": Entry("qwen3_moe", QWEN3_30B_A3B, "30.5B", "3.3B", active_with_embeddings=True),
+    "Qwen/Qwen3-4B": Entry("qwen3", QWEN3_4B, "4.0B", "4.0B", active_with_embeddings=True),
 }
 
 

@@ -14,7 +14,9 @@ rollout actors (bundle sizes from the config, on nodes with `*.node_labels`), or
 (with a `CONTROL` concurrency group beside the default one),
 `rollout-i` and `buffer` from the plain classes, and has trainer rank 0 serve the trainer group's
 store (`Handles.master`); `spawn_rollout` (re)creates one rollout
-actor in its bundle. `free_address(pg, bundle)` returns
+actor in its bundle. With a distillation teacher (`teacher.name`), `spawn` also creates the
+`rlray-teacher` placement group and the actors `teacher-i` (rlray.actors.teacher), and `spawn_teacher`
+(re)creates one in its bundle. `free_address(pg, bundle)` returns
 (ip, port) free on the node of that bundle. `teardown(handles)` kills them all.
 """
 
@@ -35,6 +37,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from rlray.actors.buffer import BufferActor
 from rlray.actors.rollout import RolloutActor
+from rlray.actors.teacher import TeacherActor
 from rlray.actors.trainer import TrainerActor
 from rlray.config import ClusterConfig, Colocation, Config, backend, weight_backend
 from rlray.config.colocation import TRAINER_GPU_SHARE
@@ -139,6 +142,16 @@ class BufferClient:
         return self.handle.cancel.remote(tickets, self.actor)
 
 
+class TeacherClient:
+    """An awaitable `score` on a teacher actor, for the buffer (rlray.actors.buffer.BufferActor.set_teachers)."""
+
+    def __init__(self, handle: Any) -> None:
+        self.handle = handle
+
+    def score(self, sequences: list) -> Any:
+        return self.handle.score.remote(sequences)
+
+
 @dataclass
 class Handles:
     trainers: list[Any]
@@ -146,6 +159,8 @@ class Handles:
     buffer: Any
     master: str  # the trainer group's store, "host:port" (every rank's `setup(master)`)
     groups: list[PlacementGroup] = field(default_factory=list)
+    teachers: list[Any] = field(default_factory=list)  # algo.loss=opd: the teacher actors
+    teacher_pg: PlacementGroup | None = None
 
     @property
     def trainer_pg(self) -> PlacementGroup:
@@ -205,7 +220,23 @@ def spawn(c: Config, pad_id: int) -> Handles:
     buffer = ray.remote(BufferActor).options(name="buffer", num_cpus=0).remote(
         c.algo, c.rl.batch_size // r.group_size, c.async_.max_off_policy_steps, t.num_ranks,
         t.micro_batch_tokens, pad_id, t.packing, t.cp)
-    return Handles(trainers, rollouts, buffer, master, groups[:1] if c.cluster.colocate else groups)
+    h = Handles(trainers, rollouts, buffer, master, groups[:1] if c.cluster.colocate else groups)
+    if c.teacher.enabled:
+        te = c.teacher
+        h.teacher_pg = _pg("rlray-teacher", _bundles(te.num_actors, te.cpus_per_actor, te.gpus_per_actor),
+                           te.node_labels, "teacher.node_labels")
+        h.teachers = [spawn_teacher(c, i, h.teacher_pg) for i in range(te.num_actors)]
+    return h
+
+
+def spawn_teacher(c: Config, index: int, pg: PlacementGroup, incarnation: int = 0) -> Any:
+    """Teacher actor `index` in bundle `index` of `pg`, named `teacher-<index>[.<incarnation>]`."""
+    te = c.teacher
+    return ray.remote(TeacherActor).options(
+        name=f"teacher-{index}" + (f".{incarnation}" if incarnation else ""), num_cpus=te.cpus_per_actor,
+        num_gpus=te.gpus_per_actor, max_concurrency=1000,
+        scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=index),
+    ).remote(index, te, c.run.seed + 1000 * incarnation)
 
 
 def rollout_name(index: int, incarnation: int = 0) -> str:
@@ -236,7 +267,7 @@ def spawn_rollout(c: Config, index: int, pg: PlacementGroup, incarnation: int = 
 
 
 def teardown(h: Handles) -> None:
-    for actor in [*h.rollouts, *h.trainers, h.buffer]:
+    for actor in [*h.rollouts, *h.teachers, *h.trainers, h.buffer]:
         ray.kill(actor, no_restart=True)
-    for pg in h.groups:
+    for pg in [*h.groups, *([h.teacher_pg] if h.teacher_pg else [])]:
         remove_placement_group(pg)

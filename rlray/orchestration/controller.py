@@ -17,6 +17,9 @@ The summary holds the held-out rewards (greedy unless eval.temperature > 0) afte
 Colocated (`cluster.colocate`) is this loop with turns when async.max_off_policy_steps=0: the engines
 sleep before every training step and wake around the sync that follows (`sync`); with 1, both stay
 resident and overlap as in the disaggregated layout.
+On-policy distillation (algo.loss=opd) adds a teacher pool (rlray.orchestration.teachers): the buffer
+has each arriving group scored by a teacher; a teacher that dies is replaced while steps wait, as a
+rollout actor is (`teacher_restarts` in the metrics).
 Every run ends, failed ones too, with its curves drawn into `curves.png` (rlray.plot).
 """
 
@@ -42,6 +45,7 @@ from rlray.models.tiny import model_path
 from rlray.orchestration import checkpoint, cluster
 from rlray.orchestration.fleet import RolloutFleet
 from rlray.orchestration.metrics import Metrics
+from rlray.orchestration.teachers import TeacherPool
 
 
 def _config_dict(c: Config) -> dict[str, Any]:
@@ -70,6 +74,7 @@ class Controller:
         self.last_eval: dict[str, Any] = {}  # the latest evaluation's logged values
         self._h: cluster.Handles | None = None
         self._fleet: RolloutFleet | None = None
+        self.teachers: TeacherPool | None = None  # algo.loss=opd
 
     @property
     def h(self) -> cluster.Handles:
@@ -87,11 +92,16 @@ class Controller:
         cluster.check_resources(*needs(self.c))
         t0 = time.perf_counter()
         self._h = cluster.spawn(self.c, pad_id=self.tokenizer.pad_token_id)
-        ray.get([t.setup.remote(self.h.master) for t in self.h.trainers] + [r.start.remote() for r in self.h.rollouts])
+        self.teachers = TeacherPool(self.c, self.h) if self.h.teachers else None
+        ray.get([t.setup.remote(self.h.master) for t in self.h.trainers] + [r.start.remote() for r in self.h.rollouts]
+                + (self.teachers.start_refs() if self.teachers else []))
+        if self.teachers:
+            self.teachers.start()
         self._fleet = RolloutFleet(self.c, self.h)
         world = self.fleet.open()
+        teachers = f", {len(self.h.teachers)} teacher(s) of {self.c.teacher.name}" if self.teachers else ""
         print(f"actors ready in {time.perf_counter() - t0:.1f}s: {len(self.h.trainers)} trainer ranks, "
-              f"{len(self.h.rollouts)} rollout actors, weight group of {world}", flush=True)
+              f"{len(self.h.rollouts)} rollout actors, weight group of {world}{teachers}", flush=True)
 
     # ---- colocated turns (cluster.colocate with async.max_off_policy_steps=0) -------------------
     @property
@@ -125,7 +135,7 @@ class Controller:
         timeout = self.c.rl.batch_timeout_s
         deadline = time.monotonic() + timeout
         while True:
-            if self.fleet.heal(self.version):
+            if self.fleet.heal(self.version) or (self.teachers and self.teachers.heal()):
                 deadline = time.monotonic() + timeout
             if len(ray.wait(refs, num_returns=len(refs), timeout=min(1.0, timeout))[0]) == len(refs):
                 return
@@ -137,8 +147,14 @@ class Controller:
         needed = self.c.rl.batch_size // self.c.rollout.group_size
         last = "; ".join(f"{name}: {err or 'none'}" for name, err in self.fleet.last_errors().items())
         return (f"RL step {step} waited rl.batch_timeout_s={self.c.rl.batch_timeout_s:g}s for its batch: "
-                f"{queued} of {needed} groups queued; last errors: {last}. "
+                f"{queued} of {needed} groups queued; last errors: {last}{self._teacher_state()}. "
                 "Raise rl.batch_timeout_s if rollouts are just slow")
+
+    def _teacher_state(self) -> str:
+        if not self.teachers:
+            return ""
+        t = ray.get(self.h.buffer.teacher_state.remote(), timeout=10)
+        return f"; teachers: {t['scoring']} groups being scored, last scoring error: {t['last_error'] or 'none'}"
 
     def evaluate(self, tag: str, at: int) -> float:
         """Every environment's eval split on the rollout actors (`eval.num_samples` per example).
@@ -267,7 +283,8 @@ class Controller:
             outs = ray.get([t.train_step.remote(b) for t, b in zip(self.h.trainers, batch)])
             self.version = step + 1
             values = {**ray.get(self.h.buffer.step_stats.remote(step)), **outs[0],
-                      "rollout_restarts": self.fleet.restarts}
+                      "rollout_restarts": self.fleet.restarts,
+                      **({"teacher_restarts": self.teachers.restarts} if self.teachers else {})}
             if (step + 1) % c.rl.sync_every == 0:
                 values.update(self.sync(self.version))
             every = c.eval.every_n_steps  # interpolations are resolved once, in rlray.config.compose.to_config

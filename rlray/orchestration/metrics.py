@@ -24,7 +24,8 @@ CONSOLE = [("reward_mean", "reward", "{:.3f}"), ("eval_reward", "eval", "{:.3f}"
            ("sync_seconds", "sync_s", "{:.3f}"), ("mismatch_kl", "mis_kl", "{:.1e}"),
            ("router_agreement", "router_agree", "{:.3f}"), ("stale_kl", "stale_kl", "{:.1e}"), ("loss", "loss", "{:.4f}"),
            ("moe_load_max_mean", "moe_load", "{:.2f}"), ("turns_mean", "turns", "{:.2f}"),
-           ("token_mismatch_frac", "mismatch", "{:.2f}")]
+           ("token_mismatch_frac", "mismatch", "{:.2f}"), ("teacher_kl", "teacher_kl", "{:.3f}"),
+           ("teacher_tokens_per_s", "teacher tok/s", "{:.0f}")]
 QUIET = {"turns_mean": 1.0, "token_mismatch_frac": 0.0}  # left off the console line at this value
 
 
@@ -46,6 +47,8 @@ RAY_GAUGES = {
     "rlray_mismatch_kl": ("mismatch_kl", "KL(inference || trainer) on tokens of the trainer's version"),
     "rlray_stale_kl": ("stale_kl", "KL(inference || trainer) on tokens of older versions"),
     "rlray_router_agreement": ("router_agreement", "share of (token, MoE layer) pairs routed as the engine did"),
+    "rlray_teacher_kl": ("teacher_kl", "on-policy distillation: mean per-token KL(student || teacher)"),
+    "rlray_teacher_tokens_per_s": ("teacher_tokens_per_s", "tokens the distillation teacher scored per second"),
     "rlray_moe_load_max_mean": ("moe_load_max_mean", "tokens of the busiest expert over the mean, per MoE layer"),
 }
 

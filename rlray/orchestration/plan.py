@@ -23,13 +23,24 @@ asleep hold nothing on the GPU); the generate phase is the trainer's resident st
 activations and logits; without AdamW state when trainer.offload_optimizer) plus the engine awake
 (kv_cache_fraction of the GPU, or its weights, KV cache and reserve); on CPU, with no sleep mode,
 both at once. The run takes turns (async.max_off_policy_steps=0) unless both fit at once.
+Teacher (algo.loss=opd, `teacher.name`): its architecture read as the student's, its engines sized by
+the engine formula above from the teacher.* keys, in a placement group of their own.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rlray.config import Colocation, Config, ConfigError, engine_workers, weight_backend
+from rlray.config import (
+    Colocation,
+    Config,
+    ConfigError,
+    LoraConfig,
+    RolloutConfig,
+    TeacherConfig,
+    engine_workers,
+    weight_backend,
+)
 from rlray.config.colocation import TRAINER_GPU_SHARE
 from rlray.config.resources import needs
 from rlray.models.shape import ModelShape, human, model_shape
@@ -103,15 +114,16 @@ def trainer_memory(s: ModelShape, c: Config, n: int | None = None) -> dict[str, 
             **({"cp mask": t * c.trainer.micro_batch_tokens * b} if c.trainer.cp > 1 else {})}  # local x gathered keys
 
 
-def engine_memory(s: ModelShape, c: Config) -> dict[str, float]:
-    """Estimated bytes per engine GPU: weights, KV cache and the sequences of max_model_len it holds."""
-    r, tp = c.rollout, c.rollout.tensor_parallel_size
-    b = BYTES.get(r.dtype, 2)
+def engine_memory(s: ModelShape, r: RolloutConfig | TeacherConfig, gpu_memory_gb: float) -> dict[str, float]:
+    """Estimated bytes per engine GPU (a rollout or a teacher engine): weights, KV cache and the sequences
+    of max_model_len it holds."""
+    tp = r.tensor_parallel_size
+    b = BYTES.get(str(r.dtype), 2)
     weights = s.params * b / tp
     if r.kv_cache_gb > 0:
         kv = r.kv_cache_gb * 2**30
     else:
-        kv = r.kv_cache_fraction * c.cluster.gpu_memory_gb * GB - weights - ENGINE_RESERVE_GB * GB
+        kv = r.kv_cache_fraction * gpu_memory_gb * GB - weights - ENGINE_RESERVE_GB * GB
     heads = max(1, s.dim("num_key_value_heads") // tp)
     head_dim = s.dim("head_dim", s.dim("hidden_size") // max(s.dim("num_attention_heads"), 1))
     per_token = 2 * s.dim("num_hidden_layers") * heads * head_dim * b
@@ -126,6 +138,8 @@ class Plan:
     trainer: dict[str, float]
     engine: dict[str, float]
     activations_other: float  # with the other activation-checkpointing setting, for comparison
+    teacher_shape: ModelShape | None = None  # algo.loss=opd: the teacher's model, and its engines' memory
+    teacher: dict[str, float] | None = None
 
     @property
     def states_gb(self) -> float:
@@ -173,6 +187,7 @@ class Plan:
         tp = c.rollout.tensor_parallel_size
         if heads % tp:
             out.append(f"rollout.tensor_parallel_size={tp} does not divide the model's {heads} attention heads")
+        out += self._teacher_problems()
         if not self.on_gpu:
             return out
         mem, need = c.cluster.gpu_memory_gb, sum(self.trainer.values()) / GB
@@ -213,7 +228,9 @@ class Plan:
                 f"ep={d.ep} cp={d.cp}, ~{sum(self.trainer.values()) / GB:.1f} GB per rank; {self.c.rollout.num_actors} engine(s) "
                 f"x TP {self.c.rollout.tensor_parallel_size}{dp}, {e['weights'] / GB:.2f} GB weights each"
                 + (f"; colocated in one placement group, weights handed over by {weight_backend(self.c)}"
-                   if self.c.cluster.colocate else ""))
+                   if self.c.cluster.colocate else "")
+                + (f"; teacher {self.c.teacher.num_actors} engine(s) of {self.teacher_shape.name}"
+                   if self.teacher_shape else ""))
 
     def render(self) -> str:
         c, s, d = self.c, self.shape, self.dims
@@ -267,7 +284,38 @@ class Plan:
                      f"sequences of {r.max_model_len} tokens")
         if c.cluster.colocate:
             lines += self._colocated_memory()
-        return "\n".join(lines)
+        return "\n".join(lines + self._teacher_lines())
+
+    # ---- on-policy distillation's teacher pool (teacher.name) -------------------------------------
+    def _teacher_lines(self) -> list[str]:
+        if self.teacher_shape is None or self.teacher is None:
+            return []
+        te, s, e = self.c.teacher, self.teacher_shape, self.teacher
+        return [(f"teacher (algo.loss=opd): {s.name} ({s.arch}), {human(s.params)} parameters; {te.num_actors} engines x "
+                f"tensor_parallel_size={te.tensor_parallel_size}, {te.dtype}; scores only (prompt logprobs), no "
+                f"weight sync; architecture from {s.source}"),
+                (f"memory per teacher engine {'GPU' if te.gpus_per_actor else 'CPU'} (estimate): weights "
+                f"{e['weights'] / GB:.2f} GB, KV cache {e['KV cache'] / GB:.2f} GB = {e['sequences']:.0f} sequences "
+                f"of {te.max_model_len} tokens")]
+
+    def _teacher_problems(self) -> list[str]:
+        if self.teacher_shape is None or self.teacher is None:
+            return []
+        te, s, out = self.c.teacher, self.teacher_shape, []
+        heads = s.dim("num_attention_heads")
+        if heads % te.tensor_parallel_size:
+            out.append(f"teacher.tensor_parallel_size={te.tensor_parallel_size} does not divide the teacher's "
+                       f"{heads} attention heads")
+        if s.dim("vocab_size") != self.shape.dim("vocab_size"):
+            out.append(f"teacher.name='{te.name}' has a vocabulary of {s.dim('vocab_size')} and the student "
+                       f"{self.shape.dim('vocab_size')}: the teacher scores the student's token ids, so both need "
+                       "one tokenizer; pick a teacher of the student's family")
+        if te.gpus_per_actor and self.teacher["sequences"] < 1:
+            out.append(f"teacher: {s.name} takes {self.teacher['weights'] / GB:.0f} GB per GPU at "
+                       f"tensor_parallel_size={te.tensor_parallel_size}, leaving no KV cache for one "
+                       f"{te.max_model_len}-token sequence; raise teacher.tensor_parallel_size and "
+                       "teacher.gpus_per_actor together, or teacher.kv_cache_fraction")
+        return out
 
     # ---- colocated (cluster.colocate) ---------------------------------------------------------
     def _groups(self) -> list[str]:
@@ -275,7 +323,8 @@ class Plan:
         if not self.c.cluster.colocate:
             return ["placement groups",
                     f"  rlray-trainer: {t.num_ranks} bundles x {{CPU: {t.cpus_per_rank:g}, GPU: {t.gpus_per_rank:g}}}",
-                    f"  rlray-rollout: {r.num_actors} bundles x {{CPU: {r.cpus_per_actor:g}, GPU: {r.gpus_per_actor:g}}}"]
+                    f"  rlray-rollout: {r.num_actors} bundles x {{CPU: {r.cpus_per_actor:g}, GPU: {r.gpus_per_actor:g}}}",
+                    *self._teacher_group()]
         where = Colocation(self.c)
         share = (f"; each GPU split {TRAINER_GPU_SHARE:g} trainer / {1 - TRAINER_GPU_SHARE:g} engine worker in Ray's "
                  "accounting" if self.on_gpu else "")
@@ -283,7 +332,12 @@ class Plan:
                f"  rlray-colocated: {t.num_ranks} bundles"]
         out += [f"    bundle {b} {{{', '.join(f'{k}: {v:g}' for k, v in bundle.items())}}}: {where.describe(b)}"
                 for b, bundle in enumerate(where.bundles())]
-        return out
+        return out + self._teacher_group()
+
+    def _teacher_group(self) -> list[str]:
+        te = self.c.teacher
+        return [f"  rlray-teacher: {te.num_actors} bundles x {{CPU: {te.cpus_per_actor:g}, GPU: {te.gpus_per_actor:g}}}"
+                ] if te.enabled else []
 
     def phases(self) -> dict[str, float]:
         """Colocated GB per device: "train" (the trainer at its peak, the engines asleep), "generate" (the
@@ -324,4 +378,16 @@ def make_plan(c: Config) -> Plan:
     shape = shape_of(c)
     dims = ParallelDims(c.trainer.num_ranks, ep=c.trainer.ep, cp=c.trainer.cp)
     other = _activations(shape, c, not c.trainer.activation_checkpointing)
-    return Plan(c, shape, dims, trainer_memory(shape, c), engine_memory(shape, c), other)
+    plan = Plan(c, shape, dims, trainer_memory(shape, c), engine_memory(shape, c.rollout, c.cluster.gpu_memory_gb),
+                other)
+    if c.teacher.enabled:
+        from rlray.models.catalog import architecture
+
+        try:
+            hf, source = architecture(c.teacher.name)
+        except OSError as e:
+            raise ConfigError(f"cannot read the architecture of teacher.name='{c.teacher.name}': "
+                              f"{str(e).splitlines()[0]} (give a local model folder)") from None
+        plan.teacher_shape = model_shape(hf, c.teacher.name, source, LoraConfig())
+        plan.teacher = engine_memory(plan.teacher_shape, c.teacher, c.cluster.gpu_memory_gb)
+    return plan
