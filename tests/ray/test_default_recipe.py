@@ -2,7 +2,8 @@
 
 Runs `python -m rlray.launch` exactly as a user does (its own local Ray cluster) and
 checks the issue's bar: held-out greedy reward >= 0.85 after RL and >= 0.1 above the
-post-SFT value. Several minutes: the longest test of the suite.
+post-SFT value. Several minutes: the longest test of the suite. Then the README's distillation
+command with that run's export as the teacher: a fresh student after SFT, fewer steps.
 """
 
 from __future__ import annotations
@@ -10,19 +11,29 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
+
+import pytest
+
+OURS = ("plan: ", "algo.loss=", "wandb (offline): ", "actors ready in ", "[sft] ", "[eval] ", "[rl] ", "SFT reached",
+        "held-out greedy reward", "checkpoint ", "exported the trained model", "curves: ", "run folder: ")
 
 
-def test_default_recipe_reward_rises(tmp_path) -> None:
+@pytest.fixture(scope="module")
+def default_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subprocess.CompletedProcess]:
+    tmp_path = tmp_path_factory.mktemp("default")
     run_dir = tmp_path / "run"
     cmd = [sys.executable, "-m", "rlray.launch", f"run.dir={run_dir}"]  # wandb offline, as a user without a key
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=1500, cwd=tmp_path)
+    return run_dir, subprocess.run(cmd, capture_output=True, text=True, timeout=1500, cwd=tmp_path)
+
+
+def test_default_recipe_reward_rises(default_run) -> None:
+    run_dir, out = default_run
     assert out.returncode == 0, out.stderr[-4000:]
     assert "held-out greedy reward before RL" in out.stdout
     assert "held-out greedy reward after RL" in out.stdout
     # a console a person can read: rlray's own lines only (Ray's two start-up lines go to stderr)
-    ours = ("plan: ", "algo.loss=", "wandb (offline): ", "actors ready in ", "[sft] ", "[eval] ", "[rl] ", "SFT reached",
-            "held-out greedy reward", "checkpoint ", "exported the trained model", "curves: ", "run folder: ")
-    assert [line for line in out.stdout.splitlines() if not line.startswith(ours)] == []
+    assert [line for line in out.stdout.splitlines() if not line.startswith(OURS)] == []
     assert "Weave" not in out.stdout + out.stderr and "fontManager" not in out.stdout + out.stderr
     summary = json.loads((run_dir / "summary.json").read_text())
     start, end = summary["rl_start_reward"], summary["rl_end_reward"]
@@ -31,3 +42,25 @@ def test_default_recipe_reward_rises(tmp_path) -> None:
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     rl = [r for r in map(json.loads, lines) if r["stage"] == "rl"]
     assert len(rl) == 300 and any(r["lag_mean"] > 0 for r in rl)  # default max_off_policy_steps=1 overlaps
+
+
+def test_distillation_from_the_default_runs_export(default_run, tmp_path) -> None:
+    """`algo.loss=opd teacher.name=<the default run's hf/> algo.opd_reward_coef=0`: the teacher alone
+    raises the post-SFT student's held-out reward and the student's KL to it falls (README "Distillation";
+    the measured run is 300 steps, this one 40)."""
+    teacher_dir, first = default_run
+    assert first.returncode == 0 and (teacher_dir / "hf" / "model.safetensors").is_file()
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "rlray.launch", f"run.dir={run_dir}", "algo.loss=opd",
+           f"teacher.name={teacher_dir / 'hf'}", "algo.opd_reward_coef=0", "rl.steps=40", "rl.eval_every=0",
+           "checkpoint.every=0", "checkpoint.export_hf=false"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=1200, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-4000:]
+    assert f"1 teacher(s) of {teacher_dir / 'hf'}" in out.stdout and "algo.loss=opd: paper preset" in out.stdout
+    assert [line for line in out.stdout.splitlines() if not line.startswith(OURS)] == []  # teacher_kl on [rl]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["rl_end_reward"] - summary["rl_start_reward"] >= 0.05, summary
+    rl = [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if r["stage"] == "rl"]
+    kl = [r["teacher_kl"] for r in rl]
+    assert len(kl) == 40 and sum(kl[-10:]) / 10 < 0.7 * sum(kl[:10]) / 10, kl
+    assert all(r["teacher_restarts"] == 0 and r["teacher_tokens_per_s"] > 0 for r in rl)
