@@ -8,12 +8,15 @@ async.max_off_policy_steps=1, a plan in which trainer and engine do not fit a GP
 `dry_run=true` prints the plan (checked against the cluster's resources when connected to
 one) and exits. Otherwise the plan goes to the run folder (`plan.txt`) and the controller
 runs; a run that cannot go on (a rollout actor lost past `rollout.max_restarts`, a starved
-step, non-finite steps in a row) exits 1 with one line, its traceback in `error.log`.
+step, non-finite steps in a row) exits 1 with one line, its traceback in `error.log`. SIGTERM or
+SIGUSR1 preempts it (rlray.orchestration.preemption): a checkpoint at the current RL step, exit 0
+with one line, within `checkpoint.preempt_grace_s`.
 Works from any working directory and under `ray job submit`.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -97,6 +100,7 @@ def main(cfg: DictConfig) -> None:
     run_dir = Path(config.run.dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "plan.txt").write_text(plan.render() + "\n")
+    (run_dir / "driver.pid").write_text(f"{os.getpid()}\n")  # whom rlray.sbatch passes a preemption signal to
     print(f"{plan.summary()} (all of it: {run_dir / 'plan.txt'})", flush=True)
     from rlray.algo.loss import preset_line
 
@@ -106,12 +110,20 @@ def main(cfg: DictConfig) -> None:
     warning = version_warning()
     if warning:
         print(warning, flush=True)
+    from rlray.orchestration import preemption
     from rlray.orchestration.controller import run
 
+    preemption.install(config.checkpoint.preempt_grace_s)
     try:
-        run(config)
+        summary = run(config)
     except (RuntimeError, TimeoutError) as e:  # a run that cannot go on: rlray's own one-line reasons
         _stopped(e, run_dir)
+    if "preempted" in summary:
+        p = summary["preempted"]
+        kept = (f"checkpoint at RL step {p['step']}" if p["stage"] == "rl" else
+                "SFT keeps no checkpoint and starts again")
+        print(f"preempted ({p['signal']}) after {p['stage'].upper()} step {p['step']}: {kept}; run again with "
+              f"run.dir={run_dir} to resume", flush=True)
 
 
 def _stopped(error: BaseException, run_dir: Path) -> None:

@@ -207,7 +207,9 @@ class RolloutActor:
             slots.release()
 
     async def run(self, buffer: Any) -> dict[str, Any]:
-        """Produce groups until `stop()`; raises EngineFailed when the engine can serve no more."""
+        """Produce groups until `stop()`; raises EngineFailed when the engine can serve no more. A loop
+        started after a `stop()` (a trainer group re-created: rlray.orchestration.recovery) runs anew."""
+        self._stop.clear()
         slots = asyncio.Semaphore(self.cfg.max_concurrent_groups)
         tasks: set[asyncio.Task] = set()
         while not self._stop.is_set() and self._check_engine() is None:

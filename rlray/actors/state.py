@@ -10,6 +10,12 @@ Contract (every function is a collective: every rank of the trainer calls it):
   first save after SFT and never pruned (rlray.orchestration.checkpoint prunes `ckpt_*` only);
   `load` reads that base first.
 - `weights_digest(model)`: a sha256 of every rank's parameter shards, bit for bit.
+- Integrity (not collectives; each rank reads only what it wrote): `checksums(path, rank)` gives
+  `{file: [rank, bytes, crc32]}` for the files of checkpoint `path` that rank `rank` wrote (its DCP
+  shards `__<rank>_*.distcp` and RNG state; rank 0 also DCP's `.metadata` and `base.json`), and
+  `verify(path, rank, files)` returns one line per file of `files` owned by `rank` that is missing, of
+  another size or another crc32. CRC32 streams at ~4 GB/s on one core here (sha256 ~1.7): a check
+  costs a fraction of reading the shards back.
 - `export_hf(learner, path, rank, tokenizer_from, merged)`: rank 0 writes a transformers folder
   (weights and the tokenizer of `tokenizer_from`) behind a barrier: trainer.collective_timeout_s
   must cover the write. With LoRA: `path/adapter` (a PEFT adapter folder: adapter_config.json,
@@ -23,6 +29,7 @@ import hashlib
 import json
 import os
 import random
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -129,6 +136,40 @@ def load(learner: Learner, path: str, rank: int) -> str:
     np.random.set_state(rng["numpy"])
     random.setstate(rng["python"])
     return weights_digest(learner.model)
+
+
+def _owned(folder: Path, rank: int) -> list[Path]:
+    names = [f"rng_rank{rank}.pt", *(p.name for p in folder.glob(f"__{rank}_*.distcp"))]
+    if rank == 0:
+        names += [".metadata", "base.json"]
+    return [folder / n for n in sorted(names) if (folder / n).is_file()]
+
+
+def _crc32(path: Path, chunk: int = 64 << 20) -> int:
+    crc = 0
+    with path.open("rb") as f:
+        while block := f.read(chunk):
+            crc = zlib.crc32(block, crc)
+    return crc
+
+
+def checksums(path: str, rank: int) -> dict[str, list[int]]:
+    return {p.name: [rank, p.stat().st_size, _crc32(p)] for p in _owned(Path(path), rank)}
+
+
+def verify(path: str, rank: int, files: dict[str, list[int]]) -> list[str]:
+    problems = []
+    for name, (owner, size, crc) in sorted(files.items()):
+        if owner != rank:
+            continue
+        p = Path(path, name)
+        if not p.is_file():
+            problems.append(f"{name} is missing")
+        elif p.stat().st_size != size:
+            problems.append(f"{name} has {p.stat().st_size} bytes, {size} when committed")
+        elif _crc32(p) != crc:
+            problems.append(f"{name} does not match its checksum")
+    return problems
 
 
 def weights_digest(model: torch.nn.Module) -> str:

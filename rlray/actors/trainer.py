@@ -14,7 +14,8 @@ Contract:
   `forward_backward`, `logprobs`; `offload_optimizer(to_host)` (colocated GPUs) moves its state.
 - State is rlray.actors.state's: `save(dir)` / `load(dir)` (DCP shards, RNG states; both return
   the weight digest), `weights_digest()`, `export_hf(dir, merged)` (rank 0 writes a transformers
-  folder; with LoRA the adapter folder, see rlray.actors.state).
+  folder; with LoRA the adapter folder, see rlray.actors.state), `checksums(dir)` / `verify(dir,
+  files)` (this rank's files of a checkpoint: their sizes and CRC32s, and what no longer matches).
 - The weight path is the `WeightPublisher`'s (rlray.actors.publisher): `init_weight_group(spec,
   client)`, `broadcast_weights(version)`, `close_weight_group()`, `weight_source()`.
 `algo` must be resolved (rlray.algo.loss.resolve).
@@ -118,6 +119,12 @@ class TrainerActor:
 
     def weights_digest(self) -> str:
         return state.weights_digest(self.learner.model)
+
+    def checksums(self, path: str) -> dict[str, list[int]]:
+        return state.checksums(path, self.rank)
+
+    def verify(self, path: str, files: dict[str, list[int]]) -> list[str]:
+        return state.verify(path, self.rank, files)
 
     def export_hf(self, path: str, merged: bool = False) -> None:
         state.export_hf(self.learner, path, self.rank, model_path(self.model_cfg), merged)

@@ -100,6 +100,10 @@ def validate(c: Config) -> None:
     _require(c.trainer.num_ranks >= 1, "trainer.num_ranks must be >= 1")
     _require(c.rollout.num_actors >= 1, "rollout.num_actors must be >= 1")
     _require(c.rollout.max_restarts >= 0, f"rollout.max_restarts={c.rollout.max_restarts} must be >= 0")
+    _require(c.trainer.max_restarts >= 0, f"trainer.max_restarts={c.trainer.max_restarts} must be >= 0")
+    _require(c.checkpoint.every >= 0 and c.checkpoint.every_s >= 0,
+             "checkpoint.every and checkpoint.every_s must be >= 0 (0: off)")
+    _require(c.checkpoint.preempt_grace_s > 0, f"checkpoint.preempt_grace_s={c.checkpoint.preempt_grace_s:g} must be > 0")
     _require(c.rollout.max_failed_groups >= 1,
              f"rollout.max_failed_groups={c.rollout.max_failed_groups} must be >= 1")
     _require(c.rl.batch_timeout_s > 0, f"rl.batch_timeout_s={c.rl.batch_timeout_s} must be > 0")

@@ -83,6 +83,8 @@ class TrainerConfig:
     # cluster.colocate on GPUs: the optimizer state waits in host memory while the engines generate
     offload_optimizer: bool = False
     max_nonfinite_steps: int = 3  # NaN/inf loss or gradient: the step is skipped; this many in a row stop the run
+    # a lost trainer rank: the trainer group is re-created from the newest checkpoint this many times in all
+    max_restarts: int = 2
     # The trainer's own process group (FSDP, EP and CP collectives, the barrier behind rank 0's HF export):
     # a collective waits at most this long before it fails. Apart from the weight group's timeouts.
     collective_timeout_s: float = 3600.0
@@ -308,6 +310,9 @@ class WeightSyncConfig:
 @dataclass
 class CheckpointConfig:
     every: int = 100  # RL steps between checkpoints (0: none); also one at RL start and end
+    every_s: float = 0.0  # also one when this many seconds passed since the last (0: off); bounds what a loss costs
+    # SIGTERM / SIGUSR1 (preemption): the driver checkpoints the current RL step and exits 0 within this long
+    preempt_grace_s: float = 120.0
     keep: int = 2
     resume: bool = True  # resume from the newest committed checkpoint in run.dir/checkpoints
     export_hf: bool = True  # write the final policy as a transformers folder to run.dir/hf (LoRA: hf/adapter)

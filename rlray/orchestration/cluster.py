@@ -204,29 +204,40 @@ def _groups(c: Config) -> list[PlacementGroup]:
 
 
 def spawn(c: Config, pad_id: int) -> Handles:
-    t, r = c.trainer, c.rollout
+    r = c.rollout
     tpg, rpg = groups = _groups(c)
-    host, _ = free_address(tpg, 0)  # rank 0's node; its store picks the port (TrainerActor.serve_group)
-    gpus = t.gpus_per_rank * (TRAINER_GPU_SHARE if c.cluster.colocate else 1.0)
-    trainers = [
-        ray.remote(concurrency_groups={CONTROL: 1})(TrainerActor).options(
-            name=f"trainer-{i}", num_cpus=t.cpus_per_rank, num_gpus=gpus,
-            scheduling_strategy=PlacementGroupSchedulingStrategy(tpg, placement_group_bundle_index=i),
-        ).remote(i, t.num_ranks, f"{host}:0", c.model, t, c.algo, backend(c), r.temperature, r.dtype)
-        for i in range(t.num_ranks)
-    ]
+    trainers, master = spawn_trainers(c, tpg)
     rollouts = [spawn_rollout(c, i, rpg) for i in range(r.num_actors)]
-    master = ray.get(trainers[0].serve_group.remote())
-    buffer = ray.remote(BufferActor).options(name="buffer", num_cpus=0).remote(
-        c.algo, c.rl.batch_size // r.group_size, c.async_.max_off_policy_steps, t.num_ranks,
-        t.micro_batch_tokens, pad_id, t.packing, t.cp)
-    h = Handles(trainers, rollouts, buffer, master, groups[:1] if c.cluster.colocate else groups)
+    h = Handles(trainers, rollouts, spawn_buffer(c, pad_id), master, groups[:1] if c.cluster.colocate else groups)
     if c.teacher.enabled:
         te = c.teacher
         h.teacher_pg = _pg("rlray-teacher", _bundles(te.num_actors, te.cpus_per_actor, te.gpus_per_actor),
                            te.node_labels, "teacher.node_labels")
         h.teachers = [spawn_teacher(c, i, h.teacher_pg) for i in range(te.num_actors)]
     return h
+
+
+def spawn_trainers(c: Config, pg: PlacementGroup, incarnation: int = 0) -> tuple[list[Any], str]:
+    """The trainer ranks `trainer-i` (`trainer-i.<incarnation>` when re-created) in bundles 0.. of `pg`, and
+    the trainer group's store that rank 0 serves ("host:port", every rank's `setup(master)`)."""
+    t, r = c.trainer, c.rollout
+    host, _ = free_address(pg, 0)  # rank 0's node; its store picks the port (TrainerActor.serve_group)
+    gpus = t.gpus_per_rank * (TRAINER_GPU_SHARE if c.cluster.colocate else 1.0)
+    trainers = [
+        ray.remote(concurrency_groups={CONTROL: 1})(TrainerActor).options(
+            name=f"trainer-{i}" + (f".{incarnation}" if incarnation else ""), num_cpus=t.cpus_per_rank, num_gpus=gpus,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i),
+        ).remote(i, t.num_ranks, f"{host}:0", c.model, t, c.algo, backend(c), r.temperature, r.dtype)
+        for i in range(t.num_ranks)
+    ]
+    return trainers, ray.get(trainers[0].serve_group.remote())
+
+
+def spawn_buffer(c: Config, pad_id: int, incarnation: int = 0) -> Any:
+    t = c.trainer
+    return ray.remote(BufferActor).options(name="buffer" + (f".{incarnation}" if incarnation else ""), num_cpus=0).remote(
+        c.algo, c.rl.batch_size // c.rollout.group_size, c.async_.max_off_policy_steps, t.num_ranks,
+        t.micro_batch_tokens, pad_id, t.packing, t.cp)
 
 
 def spawn_teacher(c: Config, index: int, pg: PlacementGroup, incarnation: int = 0) -> Any:

@@ -9,8 +9,9 @@ waits meanwhile and loses no step. An RL step whose batch is not complete within
 `rl.batch_timeout_s` (restarted by a replacement) fails with one line naming the step, the
 groups queued and each rollout actor's last error. With
 `checkpoint.every` set, RL commits a checkpoint (trainer DCP shards, policy version,
-buffer counters) at its start and every that many steps; a later run with the same
-run folder resumes from the newest committed one (an interrupted SFT restarts). The
+buffer counters, every file's checksum) at its start and every that many steps; a later run with
+the same run folder resumes from the newest committed one whose files verify and load (a damaged
+one is set aside, one line each: rlray.orchestration.checkpoint; an interrupted SFT restarts). The
 controller moves object references and version numbers; rollouts and batches go
 from actor to actor (SFT batches, built from the dataset here, are put once).
 The summary holds the held-out rewards (greedy unless eval.temperature > 0) after SFT and at the end of RL.
@@ -33,6 +34,7 @@ from typing import Any
 
 import ray
 import yaml
+from ray.exceptions import RayError
 
 from rlray.actors.rollout import resolve_chat_template
 from rlray.algo.loss import resolve
@@ -42,8 +44,8 @@ from rlray.data.packing import pack
 from rlray.envs import load_envs
 from rlray.envs.sft import SFTData
 from rlray.models.tiny import model_path
-from rlray.orchestration import checkpoint, cluster
-from rlray.orchestration.fleet import RolloutFleet
+from rlray.orchestration import checkpoint, cluster, preemption, recovery
+from rlray.orchestration.fleet import RolloutFleet, get_all
 from rlray.orchestration.metrics import Metrics
 from rlray.orchestration.teachers import TeacherPool
 
@@ -75,6 +77,10 @@ class Controller:
         self._h: cluster.Handles | None = None
         self._fleet: RolloutFleet | None = None
         self.teachers: TeacherPool | None = None  # algo.loss=opd
+        self.checkpoints = checkpoint.Checkpoints(self.ckpt_root, [], c.checkpoint.keep)  # its trainers: start()
+        self.checkpointing = bool(c.checkpoint.every or c.checkpoint.every_s)
+        self.saved_at = time.monotonic()  # of the last checkpoint (checkpoint.every_s)
+        self.trainer_restarts = 0  # trainer groups re-created after a lost rank (rlray.orchestration.recovery)
 
     @property
     def h(self) -> cluster.Handles:
@@ -89,6 +95,7 @@ class Controller:
     # ---- set-up -------------------------------------------------------------------
     def start(self) -> None:
         cluster.connect(self.c.cluster, self.c.logging.verbose, self.c.env.python_path)
+        preemption.rearm()  # ray.init replaced the driver's SIGTERM handler with its own
         cluster.check_resources(*needs(self.c))
         t0 = time.perf_counter()
         self._h = cluster.spawn(self.c, pad_id=self.tokenizer.pad_token_id)
@@ -99,6 +106,7 @@ class Controller:
             self.teachers.start()
         self._fleet = RolloutFleet(self.c, self.h)
         world = self.fleet.open()
+        self.checkpoints.trainers = self.h.trainers
         teachers = f", {len(self.h.teachers)} teacher(s) of {self.c.teacher.name}" if self.teachers else ""
         print(f"actors ready in {time.perf_counter() - t0:.1f}s: {len(self.h.trainers)} trainer ranks, "
               f"{len(self.h.rollouts)} rollout actors, weight group of {world}{teachers}", flush=True)
@@ -135,6 +143,8 @@ class Controller:
         timeout = self.c.rl.batch_timeout_s
         deadline = time.monotonic() + timeout
         while True:
+            if preemption.requested():
+                raise preemption.Preempted
             if self.fleet.heal(self.version) or (self.teachers and self.teachers.heal()):
                 deadline = time.monotonic() + timeout
             if len(ray.wait(refs, num_returns=len(refs), timeout=min(1.0, timeout))[0]) == len(refs):
@@ -195,6 +205,9 @@ class Controller:
         ray.get([t.set_stage.remote(s.lr, s.warmup_steps, "sft") for t in self.h.trainers])
         reward = 0.0
         for step in range(s.max_steps):
+            if preemption.requested():
+                self.summary["preempted"] = {"signal": preemption.requested(), "stage": "sft", "step": step}
+                return
             t0 = time.perf_counter()
             per_rank = self._sft_batch(step)
             self._train_turn()
@@ -215,20 +228,17 @@ class Controller:
     def save(self, stage: str, step: int) -> None:
         """Commit a checkpoint from which `stage` resumes at `step`."""
         t0 = time.perf_counter()
-        tmp = checkpoint.staging(self.ckpt_root, stage, step)
-        digest = ray.get([t.save.remote(str(tmp)) for t in self.h.trainers])[0]
-        meta = {"stage": stage, "step": step, "version": self.version, "saved_at": time.time(),
-                "buffer": ray.get(self.h.buffer.state.remote()), "summary": self.summary, "weights": digest}
-        path = checkpoint.commit(tmp, meta, self.c.checkpoint.keep)
+        path = self.checkpoints.save(stage, step, {"version": self.version, "summary": self.summary,
+                                                   "buffer": ray.get(self.h.buffer.state.remote())})
+        self.saved_at = time.monotonic()
         print(f"checkpoint {path} ({time.perf_counter() - t0:.1f}s)", flush=True)
 
     def resume_point(self) -> dict[str, Any] | None:
-        path = checkpoint.latest(self.ckpt_root) if self.c.checkpoint.resume else None
-        if path is None:
-            return None
-        meta = checkpoint.read_meta(path)
-        print(f"resuming from {path}: stage {meta['stage']}, step {meta['step']}", flush=True)
-        return {**meta, "path": str(path)}
+        """The newest committed checkpoint whose files verify (damaged ones set aside, one line each)."""
+        found = self.checkpoints.newest() if self.c.checkpoint.resume else None
+        if found is not None:
+            print(f"resuming from {found['path']}: stage {found['stage']}, step {found['step']}", flush=True)
+        return found
 
     def _rl_begin(self, resume: dict[str, Any] | None) -> int:
         ray.get([t.set_stage.remote(self.c.trainer.lr, 0, "rl") for t in self.h.trainers])
@@ -238,15 +248,13 @@ class Controller:
             start = self.evaluate("rl-start", 0)
             self.summary["rl_start_reward"] = start
             print(f"held-out {self._eval_kind()} reward before RL: {start:.3f}", flush=True)
-            if self.c.checkpoint.every:
+            if self.checkpointing:
                 self.save("rl", 0)
             return 0
-        digest = ray.get([t.load.remote(resume["path"]) for t in self.h.trainers])[0]
-        if digest != resume.get("weights", digest):
-            raise RuntimeError(f"checkpoint {resume['path']}: the loaded weights (sha {digest}) are not the ones "
-                               f"saved (sha {resume['weights']}); resume from an earlier checkpoint")
+        resume, digest = self.checkpoints.load(resume)
         self.summary.update(resume["summary"])
         self.summary["resumed_weights"] = digest
+        self.summary["checkpoints_set_aside"] = self.checkpoints.set_aside
         self.version = resume["version"]
         ray.get(self.h.buffer.load_state.remote({**resume["buffer"], "step": resume["step"]}))
         self.sync(self.version)
@@ -268,37 +276,25 @@ class Controller:
 
     def rl(self, resume: dict[str, Any] | None = None) -> None:
         c = self.c
-        first = self._rl_begin(resume)
+        step = self._rl_begin(resume)
         start = self.summary["rl_start_reward"]
         self.fleet.start()
-        n = len(self.h.trainers)
-        lags = []
-        for step in range(first, c.rl.steps):
-            t0 = time.perf_counter()
-            batch = self.h.buffer.get_batch.options(num_returns=n).remote(step)
-            batch = [batch] if n == 1 else batch  # num_returns=1 gives one ref, not a list
-            # Trainer tasks wait here, not in the actors' queues: a replacement's weight sync needs them.
-            self._wait(batch, step)
-            self._train_turn()
-            outs = ray.get([t.train_step.remote(b) for t, b in zip(self.h.trainers, batch)])
-            self.version = step + 1
-            values = {**ray.get(self.h.buffer.step_stats.remote(step)), **outs[0],
-                      "rollout_restarts": self.fleet.restarts,
-                      **({"teacher_restarts": self.teachers.restarts} if self.teachers else {})}
-            if (step + 1) % c.rl.sync_every == 0:
-                values.update(self.sync(self.version))
-            every = c.eval.every_n_steps  # interpolations are resolved once, in rlray.config.compose.to_config
-            if every and (step + 1) % every == 0 and step + 1 < c.rl.steps:
-                values["eval_reward"] = self.evaluate(f"rl-{step + 1}", step + 1)
-            values["step_seconds"] = time.perf_counter() - t0
-            values["train_tokens_per_s"] = values.get("completion_tokens", 0) / values["step_seconds"]
-            lags.append(values.get("lag_mean", 0.0))
-            self._check_mismatch(step, values)
-            self.metrics.log("rl", step, values, c.rl.steps)
-            if c.checkpoint.every and (step + 1) % c.checkpoint.every == 0 and step + 1 < c.rl.steps:
-                self.save("rl", step + 1)
+        lags: list[float] = []
+        while step < c.rl.steps:
+            try:
+                if preemption.requested():
+                    return self._preempted(step)
+                lags.append(self._rl_step(step))
+                step += 1
+            except preemption.Preempted:
+                continue
+            except (RayError, RuntimeError) as e:
+                lost = recovery.lost_trainers(self.h.trainers)
+                if not lost:
+                    raise
+                step = recovery.recover(self, step, lost, e)
         self.fleet.stop(self.version)
-        if c.checkpoint.every:
+        if self.checkpointing:
             self.save("rl", c.rl.steps)
         if c.checkpoint.export_hf:
             ray.get([t.export_hf.remote(str(self.run_dir / "hf"), c.checkpoint.export_merged) for t in self.h.trainers])
@@ -308,6 +304,40 @@ class Controller:
         self.summary.update(rl_end_reward=end, lag_max=float(max(lags, default=0.0)))
         print(f"held-out {self._eval_kind()} reward after RL: {end:.3f} (before RL {start:.3f}, gain {end - start:+.3f})",
               flush=True)
+
+    def _preempted(self, step: int) -> None:
+        """A preemption signal: the checkpoint of the step the run is at, then stop (rlray.orchestration.preemption)."""
+        self.fleet.stop(self.version)
+        self.save("rl", step)
+        self.summary["preempted"] = {"signal": preemption.requested(), "stage": "rl", "step": step}
+
+    def _rl_step(self, step: int) -> float:
+        """One RL step: its batch, the train step, the sync, evaluation and checkpoint when due; its lag."""
+        c, n, t0 = self.c, len(self.h.trainers), time.perf_counter()
+        batch = self.h.buffer.get_batch.options(num_returns=n).remote(step)
+        batch = [batch] if n == 1 else batch  # num_returns=1 gives one ref, not a list
+        # Trainer tasks wait here, not in the actors' queues: a replacement's weight sync needs them.
+        self._wait(batch, step)
+        self._train_turn()
+        outs = get_all([t.train_step.remote(b) for t, b in zip(self.h.trainers, batch)])
+        self.version = step + 1
+        values = {**ray.get(self.h.buffer.step_stats.remote(step)), **outs[0],
+                  "rollout_restarts": self.fleet.restarts, "trainer_restarts": self.trainer_restarts,
+                  **({"teacher_restarts": self.teachers.restarts} if self.teachers else {})}
+        if (step + 1) % c.rl.sync_every == 0:
+            values.update(self.sync(self.version))
+        every = c.eval.every_n_steps  # interpolations are resolved once, in rlray.config.compose.to_config
+        if every and (step + 1) % every == 0 and step + 1 < c.rl.steps:
+            values["eval_reward"] = self.evaluate(f"rl-{step + 1}", step + 1)
+        values["step_seconds"] = time.perf_counter() - t0
+        values["train_tokens_per_s"] = values.get("completion_tokens", 0) / values["step_seconds"]
+        self._check_mismatch(step, values)
+        self.metrics.log("rl", step, values, c.rl.steps)
+        k = c.checkpoint
+        due = (k.every and (step + 1) % k.every == 0) or (k.every_s and time.monotonic() - self.saved_at >= k.every_s)
+        if due and step + 1 < c.rl.steps:
+            self.save("rl", step + 1)
+        return values.get("lag_mean", 0.0)
 
     def _eval_kind(self) -> str:
         e = self.c.eval
@@ -339,6 +369,8 @@ def run(c: Config) -> dict[str, Any]:
         resume = ctl.resume_point()
         todo = c.stages[c.stages.index(resume["stage"]):] if resume else c.stages
         for name in todo:
+            if "preempted" in ctl.summary:
+                break
             if name == "rl":
                 ctl.rl(resume)
             else:

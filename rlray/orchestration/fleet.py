@@ -21,7 +21,8 @@ Contract:
   leaves the other trainer ranks in a barrier).
 - `start()` starts every actor's RL loop (they put groups into the buffer); `heal(version)`
   replaces actors whose loop ended early and returns whether it did; `stop(version)` ends the
-  loops. `evaluate(version, ...)` runs `RolloutActor.evaluate` on every actor, replacing lost ones
+  loops; `halt()` ends them and empties the weight group without replacing anyone (a lost trainer rank:
+  rlray.orchestration.recovery). `evaluate(version, ...)` runs `RolloutActor.evaluate` on every actor, replacing lost ones
   and running it again. `version` is the trainer's policy version: what a replacement loads.
 - Replacing actors: kill them, return their buffer tickets, spawn each again in its bundle
   (`cluster.spawn_rollout`), re-form the weight group, load the trainer's weights everywhere
@@ -74,6 +75,16 @@ def errors(refs: list[Any], timeout: float | None) -> dict[int, RayError]:
         except RayError as e:
             failed[i] = e
     return failed
+
+
+def get_all(refs: list[Any], timeout: float | None = None) -> list[Any]:
+    """`ray.get(refs)`; when one fails, the others' errors are read too before the first is raised (Ray
+    prints a traceback for every error never read: a rank's broken collective after another rank died)."""
+    try:
+        return ray.get(refs, timeout=timeout)
+    except RayError:
+        errors(refs, HEALTH_S)
+        raise
 
 
 class FleetClient:
@@ -312,6 +323,14 @@ class RolloutFleet:
         lost = {i: loss_cause(e) or f"its RL loop did not stop ({one_line(e)})" for i, e in failed.items()}
         if lost:
             self._restore(lost, version)
+
+    def halt(self) -> None:
+        """End the RL loops and have every rollout actor leave the weight group, replacing none: the trainer
+        side is gone (rlray.orchestration.recovery) and the group is re-formed with its successor."""
+        timeout = self.c.weights.sync_timeout_s
+        errors([r.stop.remote() for r in self.h.rollouts] + [ref for ref in self.loops if ref is not None], timeout)
+        self.loops = []
+        errors([r.shutdown_weight_transfer_engine.remote() for r in self.h.rollouts], timeout)
 
     def last_errors(self) -> dict[str, str | None]:
         """Each actor's engine failure or last failed group (or that it did not answer within 10 s)."""

@@ -56,6 +56,10 @@ class TeacherPool:
     def start(self) -> None:
         """After `start_refs` completed: the buffer gets the teachers, each is watched."""
         self.watches = [t.watch.remote() for t in self.h.teachers]
+        self.attach()
+
+    def attach(self) -> None:
+        """Hand the teachers to the buffer (again, when the buffer was re-created)."""
         ray.get(self.h.buffer.set_teachers.remote([cluster.TeacherClient(t) for t in self.h.teachers]))
 
     def _lost(self) -> dict[int, str]:
@@ -89,7 +93,7 @@ class TeacherPool:
         ray.get([self.h.teachers[i].start.remote() for i in lost])
         for i in lost:
             self.watches[i] = self.h.teachers[i].watch.remote()
-        ray.get(self.h.buffer.set_teachers.remote([cluster.TeacherClient(t) for t in self.h.teachers]))
+        self.attach()
         print(f"{', '.join(self.names()[i] for i in sorted(lost))} started in {time.perf_counter() - t0:.1f}s "
               f"({self.restarts} of teacher.max_restarts={te.max_restarts} used)", flush=True)
         return len(lost)

@@ -1,4 +1,6 @@
-"""Trainer save/load through DCP restores model and optimizer exactly, on 2 gloo ranks."""
+"""Trainer save/load through DCP restores model and optimizer exactly, on 2 gloo ranks; each rank checksums
+the files it wrote and verifies only those; a damaged checkpoint is set aside, kept, and skipped by
+`latest`, `complete` and `prune`."""
 
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ def worker(rank: int, world: int, port: int, out: dict, root: str) -> None:
     path = str(Path(root) / "ckpt_rl_00000001.tmp")
     torch.distributed.barrier()
     t.save(path)
+    out[f"sums{rank}"] = t.checksums(path)
     saved = {n: p.clone() for n, p in t.publisher.full_params()}
     after_save = t.train_step(mbs)  # moves the weights and the Adam moments
     moved = {n: p.clone() for n, p in t.publisher.full_params()}
@@ -52,3 +55,36 @@ def test_save_load_round_trip(tmp_path) -> None:
     np.testing.assert_allclose(out["loss"][0], out["loss"][1], rtol=1e-6)
     np.testing.assert_allclose(out["grad_norm"][0], out["grad_norm"][1], rtol=1e-6)
     assert checkpoint.latest(tmp_path).name == "ckpt_rl_00000001"
+    verify_and_set_aside(tmp_path / "ckpt_rl_00000001", out["sums0"], out["sums1"])
+
+
+def verify_and_set_aside(folder: Path, sums0: dict, sums1: dict) -> None:
+    """Rank 0 owns DCP's .metadata, its shard and RNG state, rank 1 its own two; a byte flipped in rank 1's
+    shard is rank 1's finding alone, a cut file names its sizes, a lost one is missing."""
+    from rlray.actors import state
+
+    assert set(sums0) == {".metadata", "__0_0.distcp", "rng_rank0.pt"} and set(sums1) == {"__1_0.distcp",
+                                                                                            "rng_rank1.pt"}
+    files = {**sums0, **sums1}
+    assert all(size == (folder / name).stat().st_size for name, (_, size, _) in files.items())
+    assert state.verify(str(folder), 0, files) == state.verify(str(folder), 1, files) == []
+    shard = folder / "__1_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    assert state.verify(str(folder), 0, files) == []
+    assert state.verify(str(folder), 1, files) == ["__1_0.distcp does not match its checksum"]
+    shard.write_bytes(bytes(data[:100]))
+    (folder / "rng_rank1.pt").unlink()
+    assert state.verify(str(folder), 1, files) == [f"__1_0.distcp has 100 bytes, {len(data)} when committed",
+                                                   "rng_rank1.pt is missing"]
+    root = folder.parent
+    moved = checkpoint.set_aside(folder)
+    assert moved.name == "ckpt_rl_00000001.damaged" and (moved / "meta.json").is_file()
+    assert checkpoint.latest(root) is None and checkpoint.complete(root) == []
+    for step in (1, 2, 3):  # a later commit of the damaged step, then two more with keep=1
+        checkpoint.commit(checkpoint.staging(root, "rl", step), {"stage": "rl", "step": step, "saved_at": step}, 1)
+    assert sorted(p.name for p in root.iterdir()) == ["ckpt_rl_00000001.damaged", "ckpt_rl_00000003"]
+    assert checkpoint.set_aside(root / "ckpt_rl_00000003").name == "ckpt_rl_00000003.damaged"
+    checkpoint.commit(checkpoint.staging(root, "rl", 3), {"stage": "rl", "step": 3, "saved_at": 4}, 1)
+    assert checkpoint.set_aside(root / "ckpt_rl_00000003").name == "ckpt_rl_00000003.damaged2"

@@ -1,6 +1,8 @@
-"""Exact resume: the driver is SIGKILLed mid-RL and resumed from its newest checkpoint; the steps after
-the resume train on the same prompts, at the same learning rates, from the same weights (bit for bit)
-as an uninterrupted run of the same seed, and SFT is not run again.
+"""Exact resume: the driver is SIGKILLed mid-RL and resumed from its newest intact checkpoint; the steps
+after the resume train on the same prompts, at the same learning rates, from the same weights (bit for bit)
+as an uninterrupted run of the same seed, and SFT is not run again. The newest checkpoint has half of a
+DCP shard cut off first (a disk that filled, a copy that broke): the resume says so in one line, sets it
+aside (kept as `.damaged`) and goes on from the one before it.
 
 With `async.max_off_policy_steps=0` every batch is the next G tickets, each ticket names its prompt
 and sampling seed, and the checkpoint holds every RNG, the scheduler and the lowest ticket not
@@ -47,8 +49,8 @@ def digests(run_dir: Path) -> dict[int, str]:
     return {m["step"]: m["weights"] for m in metas}
 
 
-def kill_driver_after_rl_step(run_dir: Path, step: int, *extra: str) -> None:
-    """`python -m rlray.launch` on the session's Ray cluster, SIGKILLed once RL step `step` is logged."""
+def driver_at_rl_step(run_dir: Path, step: int, *extra: str) -> subprocess.Popen:
+    """`python -m rlray.launch` on the session's Ray cluster, returned once RL step `step` is logged."""
     cmd = [sys.executable, "-m", "rlray.launch", f"run.dir={run_dir}", f"cluster.address={gcs_address()}",
            *BASE, *OVERRIDES, *extra]
     log = (run_dir.parent / "driver.log").open("w")
@@ -56,18 +58,32 @@ def kill_driver_after_rl_step(run_dir: Path, step: int, *extra: str) -> None:
     deadline = time.time() + 600
     while proc.poll() is None and time.time() < deadline and len(records(run_dir, "rl")) <= step:
         time.sleep(0.2)
-    alive = proc.poll() is None
+    tail = (run_dir.parent / "driver.log").read_text()[-3000:]
+    assert proc.poll() is None and len(records(run_dir, "rl")) > step, f"the driver did not reach RL step {step}:\n{tail}"
+    return proc
+
+
+def kill_driver_after_rl_step(run_dir: Path, step: int, *extra: str) -> None:
+    proc = driver_at_rl_step(run_dir, step, *extra)
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
-    tail = (run_dir.parent / "driver.log").read_text()[-3000:]
-    assert alive and len(records(run_dir, "rl")) > step, f"the driver did not reach RL step {step}:\n{tail}"
 
 
 def gcs_address() -> str:
     return ray.get_runtime_context().gcs_address
 
 
-def test_sigkilled_driver_resumes_exactly(ray_cluster, tmp_path) -> None:
+def truncate_newest_shard(run_dir: Path) -> tuple[Path, int]:
+    """Cut the newest committed checkpoint's rank-1 DCP shard in half; (its folder, its step)."""
+    newest = max(digests(run_dir))
+    folder = run_dir / "checkpoints" / f"ckpt_rl_{newest:08d}"
+    shard = folder / "__1_0.distcp"
+    data = shard.read_bytes()
+    shard.write_bytes(data[:len(data) // 2])
+    return folder, newest
+
+
+def test_sigkilled_driver_resumes_exactly(ray_cluster, tmp_path, capsys) -> None:
     reference = tiny_config(tmp_path / "a", *OVERRIDES)
     run(reference)
     ref_rl, ref_weights = records(Path(reference.run.dir), "rl"), digests(Path(reference.run.dir))
@@ -77,12 +93,20 @@ def test_sigkilled_driver_resumes_exactly(ray_cluster, tmp_path) -> None:
     kill_driver_after_rl_step(killed_dir, 2)
     sft_before = records(killed_dir, "sft")
     saved = digests(killed_dir)
+    damaged, newest = truncate_newest_shard(killed_dir)
+    capsys.readouterr()
     resumed = tiny_config(tmp_path / "b", *OVERRIDES)
     summary = run(resumed)
 
+    out = capsys.readouterr().out
+    line = [x for x in out.splitlines() if x.startswith(f"checkpoint {damaged.name} is damaged")]
+    assert len(line) == 1 and "__1_0.distcp has" in line[0] and f"set aside as {damaged.name}.damaged" in line[0], out
+    assert (damaged.parent / f"{damaged.name}.damaged" / "meta.json").is_file()  # kept, beside its recommitted step
+    assert summary["checkpoints_set_aside"] == 1
     rl = records(killed_dir, "rl")
-    at = max(saved)  # the newest checkpoint committed before the kill
-    assert at >= 2 and [r["step"] for r in rl][-(STEPS - at):] == list(range(at, STEPS))
+    at = max(s for s in saved if s < newest)  # the intact checkpoint before the damaged one
+    assert f"resuming from {killed_dir / 'checkpoints' / f'ckpt_rl_{at:08d}'}" in out
+    assert at >= 1 and [r["step"] for r in rl][-(STEPS - at):] == list(range(at, STEPS))
     assert records(killed_dir, "sft") == sft_before, "SFT ran again after the resume"
     assert summary["resumed_weights"] == saved[at] == ref_weights[at]  # bit for bit, also the uninterrupted run's
     after = {r["step"]: r for r in rl[-(STEPS - at):]}
@@ -112,3 +136,23 @@ def test_a_sigkilled_lora_run_resumes_from_its_adapter_checkpoint(ray_cluster, t
     assert max(r["sync_mb"] for r in rl if "sync_mb" in r) < 0.25 * max(r["sync_mb"] for r in sft_before
                                                                        if "sync_mb" in r)
     assert (killed_dir / "hf" / "adapter" / "adapter_config.json").exists() and (killed_dir / "hf" / "base").is_dir()
+
+
+def test_sigterm_preempts_the_driver_with_a_checkpoint_and_the_run_resumes(ray_cluster, tmp_path) -> None:
+    """SIGTERM (what Slurm and `ray job stop` send) mid-RL: the driver commits a checkpoint at the step it is
+    at, exits 0 with one line within checkpoint.preempt_grace_s, and the same run.dir resumes from there."""
+    run_dir = tmp_path / "run"
+    run_dir.parent.mkdir(exist_ok=True)
+    proc = driver_at_rl_step(run_dir, 2, "checkpoint.every=100", "checkpoint.preempt_grace_s=90", "rl.steps=6")
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=90) == 0 and time.monotonic() - t0 < 90
+    out = (run_dir.parent / "driver.log").read_text()
+    line = [x for x in out.splitlines() if x.startswith("preempted (SIGTERM) after RL step ")]
+    assert len(line) == 1 and f"run again with run.dir={run_dir} to resume" in line[0], out[-3000:]
+    at = int(line[0].split("after RL step ")[1].split(":")[0])
+    assert at >= 3 and f"checkpoint at RL step {at};" in line[0]
+    assert sorted(digests(run_dir)) == [0, at]  # RL start, and the preemption's (checkpoint.every=100)
+    summary = run(tiny_config(tmp_path, *OVERRIDES, "checkpoint.every=100", "rl.steps=6"))
+    assert summary["resumed_weights"] == digests(run_dir)[at]
+    assert [r["step"] for r in records(run_dir, "rl")][-(6 - at):] == list(range(at, 6))

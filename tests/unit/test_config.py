@@ -52,6 +52,10 @@ BAD = [
     (["env.id=calculator", "+env.args.force_tool_format=true"], "env.allow_biased_sampling=true"),
     (["algo.mini_batches=3"], "algo.mini_batches=3"),
     (["rollout.max_restarts=-1"], "rollout.max_restarts"),
+    (["trainer.max_restarts=-1"], "trainer.max_restarts"),
+    (["checkpoint.every_s=-5"], "checkpoint.every_s"),
+    (["algo.loss=opd"], "algo.loss=opd distills from a teacher: set teacher.name"),
+    (["algo.loss=opd", "teacher.name=/no/such/teacher"], "teacher.name='/no/such/teacher': no tokenizer loads"),
     (["stages=[sft,train]"], "stages"),
     (["rl.sync_every=3", "async.max_off_policy_steps=0"], "async.max_off_policy_steps"),
 ]
