@@ -225,7 +225,7 @@ def spawn_trainers(c: Config, pg: PlacementGroup, incarnation: int = 0) -> tuple
     gpus = t.gpus_per_rank * (TRAINER_GPU_SHARE if c.cluster.colocate else 1.0)
     trainers = [
         ray.remote(concurrency_groups={CONTROL: 1})(TrainerActor).options(
-            name=f"trainer-{i}" + (f".{incarnation}" if incarnation else ""), num_cpus=t.cpus_per_rank, num_gpus=gpus,
+            name=actor_name("trainer", i, incarnation), num_cpus=t.cpus_per_rank, num_gpus=gpus,
             scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i),
         ).remote(i, t.num_ranks, f"{host}:0", c.model, t, c.algo, backend(c), r.temperature, r.dtype)
         for i in range(t.num_ranks)
@@ -235,7 +235,7 @@ def spawn_trainers(c: Config, pg: PlacementGroup, incarnation: int = 0) -> tuple
 
 def spawn_buffer(c: Config, pad_id: int, incarnation: int = 0) -> Any:
     t = c.trainer
-    return ray.remote(BufferActor).options(name="buffer" + (f".{incarnation}" if incarnation else ""), num_cpus=0).remote(
+    return ray.remote(BufferActor).options(name=actor_name("buffer", None, incarnation), num_cpus=0).remote(
         c.algo, c.rl.batch_size // c.rollout.group_size, c.async_.max_off_policy_steps, t.num_ranks,
         t.micro_batch_tokens, pad_id, t.packing, t.cp)
 
@@ -244,15 +244,19 @@ def spawn_teacher(c: Config, index: int, pg: PlacementGroup, incarnation: int = 
     """Teacher actor `index` in bundle `index` of `pg`, named `teacher-<index>[.<incarnation>]`."""
     te = c.teacher
     return ray.remote(TeacherActor).options(
-        name=f"teacher-{index}" + (f".{incarnation}" if incarnation else ""), num_cpus=te.cpus_per_actor,
+        name=actor_name("teacher", index, incarnation), num_cpus=te.cpus_per_actor,
         num_gpus=te.gpus_per_actor, max_concurrency=1000,
         scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=index),
     ).remote(index, te, c.run.seed + 1000 * incarnation)
 
 
+def actor_name(role: str, index: int | None = None, incarnation: int = 0) -> str:
+    """`<role>-<index>` (`<role>` alone without an index), and `.<incarnation>` after it for a replacement."""
+    return role + (f"-{index}" if index is not None else "") + (f".{incarnation}" if incarnation else "")
+
+
 def rollout_name(index: int, incarnation: int = 0) -> str:
-    """`rollout-<index>`, and `rollout-<index>.<incarnation>` for a replacement."""
-    return f"rollout-{index}" + (f".{incarnation}" if incarnation else "")
+    return actor_name("rollout", index, incarnation)
 
 
 def spawn_rollout(c: Config, index: int, pg: PlacementGroup, incarnation: int = 0) -> Any:

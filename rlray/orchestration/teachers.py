@@ -47,7 +47,7 @@ class TeacherPool:
         self.watches: list[Any] = []
 
     def names(self) -> list[str]:
-        return [f"teacher-{i}" + (f".{n}" if n else "") for i, n in enumerate(self.incarnations)]
+        return [cluster.actor_name("teacher", i, n) for i, n in enumerate(self.incarnations)]
 
     def start_refs(self) -> list[Any]:
         """The engines' start calls (the controller waits for them with the other actors')."""

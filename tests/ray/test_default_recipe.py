@@ -63,4 +63,5 @@ def test_distillation_from_the_default_runs_export(default_run, tmp_path) -> Non
     rl = [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if r["stage"] == "rl"]
     kl = [r["teacher_kl"] for r in rl]
     assert len(kl) == 40 and sum(kl[-10:]) / 10 < 0.7 * sum(kl[:10]) / 10, kl
-    assert all(r["teacher_restarts"] == 0 and r["teacher_tokens_per_s"] > 0 for r in rl)
+    assert all(r["teacher_restarts"] == 0 and r["teacher_tokens_per_s"] >= 0 for r in rl)  # since the last batch
+    assert sum(r["teacher_tokens_per_s"] for r in rl) > 0

@@ -46,7 +46,8 @@ def test_a_killed_teacher_is_replaced_and_every_step_is_scored(ray_cluster, tmp_
     assert [r["step"] for r in records] == [0, 1, 2, 3, 4]
     for r in records:
         assert math.isfinite(r["teacher_kl"]) and r["teacher_kl"] > 0  # a random teacher disagrees
-        assert r["teacher_tokens_per_s"] > 0 and r["teacher_seconds"] > 0
+        assert r["teacher_tokens_per_s"] >= 0 and r["teacher_seconds"] >= 0  # since the last batch: may be none
         assert r["mismatch_kl"] < 1e-6 and math.isfinite(r["loss"])
+    assert sum(r["teacher_tokens_per_s"] for r in records) > 0 and max(r["teacher_seconds"] for r in records) > 0
     assert records[0]["teacher_restarts"] == 0 and records[-1]["teacher_restarts"] == 1
     assert "teacher_failed_groups" in records[-1]
