@@ -17,7 +17,7 @@ Contract:
   failing engine costs the group (its ticket goes back). The loop ends by raising `EngineFailed`
   once the engine has died (`Engine.death()`) or failed `rollout.max_failed_groups` groups in a row.
 - Weight sync is vLLM's weight-transfer protocol, this actor being the inference end a
-  `VLLMWeightSyncClient` calls (rlray.orchestration.fleet.FleetClient, driven from trainer rank 0):
+  `VLLMWeightSyncClient` calls (rlray.orchestration.calls.FleetClient, driven from trainer rank 0):
   `init_weight_transfer_engine(info)` joins the weight group (`workers()` ranks),
   `shutdown_weight_transfer_engine()` leaves it (it is re-formed when an actor is replaced);
   `start_weight_update(adapter)` pauses generation (in-flight requests are kept; `adapter`: the sync
@@ -234,9 +234,10 @@ class RolloutActor:
     async def stats(self) -> dict[str, Any]:
         if getattr(self, "engine", None) is not None:
             self._check_engine()
-        return {**self.stats_, **{f"env/{k}": v for k, v in self.runner.counts.items()},
+        runner = getattr(self, "runner", None)  # set once `start` has the engine up
+        return {**self.stats_, **({f"env/{k}": v for k, v in runner.counts.items()} if runner else {}),
                 "last_error": self.last_error, "failure": self.failure, "version": self.version,
-                "loading": self.loading}
+                "loading": self.loading, "started": runner is not None}
 
     async def pid(self) -> int:
         return os.getpid()
@@ -289,14 +290,17 @@ class RolloutActor:
         await self._serving(self.engine.wake_up(tags))
 
     async def evaluate(self, num_examples: int, num_samples: int = 1, temperature: float = 0.0,
-                       max_tokens: int | None = None) -> list[dict[str, Any]]:
+                       max_tokens: int | None = None, part: int | None = None,
+                       parts: int | None = None) -> list[dict[str, Any]]:
         """Per-example records of this actor's share of every environment's first `num_examples`
-        eval rows: examples i, i+A, ... for actor i of A."""
+        eval rows: examples i, i+A, ... for part i of A (default: this actor's index of rollout.num_actors;
+        an elastic pool passes the actor's place in the pool as it is now)."""
         max_tokens = max_tokens or self.cfg.max_tokens
+        part, parts = (self.index, self.num_actors) if part is None or parts is None else (part, parts)
         jobs = []
         for env in self.runner.envs:
             n = min(num_examples, env.num_examples("eval"))
-            indices = list(range(self.index, n, self.num_actors))
+            indices = list(range(part, n, parts))
             jobs.append(self.runner.evaluate(env, indices, num_samples, temperature, max_tokens))
         return [rec for recs in await self._serving(asyncio.gather(*jobs)) for rec in recs]
 

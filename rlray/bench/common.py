@@ -189,7 +189,7 @@ class LoopThread:
 
 class EngineClient:
     """vLLM's `VLLMWeightSyncClient` over in-process `rlray.actors.engine.Engine`s on a `LoopThread`
-    (what rlray.orchestration.fleet.FleetClient does over Ray actors): engine i's workers take ranks from
+    (what rlray.orchestration.calls.FleetClient does over Ray actors): engine i's workers take ranks from
     the trainer's `rank_offset` plus the workers of engines 0..i-1. `on_loaded` runs after
     each engine's weights are in, before it resumes."""
 

@@ -99,6 +99,7 @@ def validate(c: Config) -> None:
     )
     _require(c.trainer.num_ranks >= 1, "trainer.num_ranks must be >= 1")
     _require(c.rollout.num_actors >= 1, "rollout.num_actors must be >= 1")
+    _check_elastic(c)
     _require(c.rollout.max_restarts >= 0, f"rollout.max_restarts={c.rollout.max_restarts} must be >= 0")
     _require(c.trainer.max_restarts >= 0, f"trainer.max_restarts={c.trainer.max_restarts} must be >= 0")
     _require(c.checkpoint.every >= 0 and c.checkpoint.every_s >= 0,
@@ -172,6 +173,18 @@ def _check_lora(c: Config) -> None:
              "masters; set trainer.lora.base_dtype=float32 or drop sft from stages")
     _require(not c.weights.delta, "weights.delta=true with trainer.lora.rank > 0: a LoRA sync sends only the "
                                   "adapters already; set weights.delta=false")
+
+
+def _check_elastic(c: Config) -> None:
+    """rollout.max_actors: an elastic pool of engines, each in a placement group of its own."""
+    r = c.rollout
+    if r.max_actors is None:
+        return
+    _require(r.max_actors >= r.num_actors, f"rollout.max_actors={r.max_actors} is below rollout.num_actors="
+             f"{r.num_actors} (the pool's minimum); raise it, or unset it for a fixed pool")
+    _require(r.scale_every_s > 0, f"rollout.scale_every_s={r.scale_every_s:g} must be > 0")
+    _require(not c.cluster.colocate, "rollout.max_actors with cluster.colocate=true: colocated engines live in the "
+             "trainer's bundles, so the pool cannot follow the cluster; unset rollout.max_actors")
 
 
 def _check_colocate(c: Config) -> None:

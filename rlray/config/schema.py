@@ -97,7 +97,11 @@ class TrainerConfig:
 
 @dataclass
 class RolloutConfig:
-    num_actors: int = 1
+    num_actors: int = 1  # with max_actors: the minimum the pool keeps (README "Elastic rollout pool")
+    # None: exactly num_actors engines. Else the pool grows to this many as nodes join (an engine bundle
+    # placed: KubeRay's autoscaler, `ray start --address`) and shrinks when an engine's node is gone
+    max_actors: int | None = None
+    scale_every_s: float = 30.0  # with max_actors: how often the pool looks for a placed engine bundle
     cpus_per_actor: float = 1.0
     gpus_per_actor: float = 0.0
     group_size: int = 8

@@ -29,7 +29,7 @@ from typing import Any
 from ray.exceptions import RayError
 
 from rlray.actors.rollout import one_line
-from rlray.orchestration.fleet import get_all
+from rlray.orchestration.calls import get_all
 
 PREFIX = "ckpt_"
 

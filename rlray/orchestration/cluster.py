@@ -14,7 +14,10 @@ rollout actors (bundle sizes from the config, on nodes with `*.node_labels`), or
 (with a `CONTROL` concurrency group beside the default one),
 `rollout-i` and `buffer` from the plain classes, and has trainer rank 0 serve the trainer group's
 store (`Handles.master`); `spawn_rollout` (re)creates one rollout
-actor in its bundle. With a distillation teacher (`teacher.name`), `spawn` also creates the
+actor in its bundle (`rollout_site`). An elastic pool (`rollout.max_actors`, `elastic(config)`) gives every
+engine a placement group of its own (`rlray-rollout-<slot>`, `Handles.engine_pgs`): `request_engine_pg`
+asks for one more without waiting (a demand an autoscaler sees), `placed` says whether it is, `release_pg`
+gives one back, `node_alive` says whether an engine's node is still in the cluster. With a distillation teacher (`teacher.name`), `spawn` also creates the
 `rlray-teacher` placement group and the actors `teacher-i` (rlray.actors.teacher), and `spawn_teacher`
 (re)creates one in its bundle. `free_address(pg, bundle)` returns
 (ip, port) free on the node of that bundle. `teardown(handles)` kills them all.
@@ -161,6 +164,7 @@ class Handles:
     groups: list[PlacementGroup] = field(default_factory=list)
     teachers: list[Any] = field(default_factory=list)  # algo.loss=opd: the teacher actors
     teacher_pg: PlacementGroup | None = None
+    engine_pgs: dict[int, PlacementGroup] = field(default_factory=dict)  # elastic pool: slot -> its engine's group
 
     @property
     def trainer_pg(self) -> PlacementGroup:
@@ -192,23 +196,68 @@ def _bundles(n: int, cpus: float, gpus: float) -> list[dict[str, float]]:
 
 
 def _groups(c: Config) -> list[PlacementGroup]:
-    """[trainer's, rollout's] placement groups; colocated, one holding both ([it, it])."""
+    """[trainer's, rollout's] placement groups; colocated, one holding both ([it, it]); an elastic pool:
+    [trainer's] (its engines have one each)."""
     t, r = c.trainer, c.rollout
     if c.cluster.colocate:
         pg = _pg("rlray-colocated", Colocation(c).bundles(), t.node_labels, "trainer.node_labels")
         return [pg, pg]
-    return [_pg("rlray-trainer", _bundles(t.num_ranks, t.cpus_per_rank, t.gpus_per_rank), t.node_labels,
-                "trainer.node_labels"),
-            _pg("rlray-rollout", _bundles(r.num_actors, r.cpus_per_actor, r.gpus_per_actor), r.node_labels,
-                "rollout.node_labels")]
+    trainer = _pg("rlray-trainer", _bundles(t.num_ranks, t.cpus_per_rank, t.gpus_per_rank), t.node_labels,
+                  "trainer.node_labels")
+    if elastic(c):
+        return [trainer]
+    return [trainer, _pg("rlray-rollout", _bundles(r.num_actors, r.cpus_per_actor, r.gpus_per_actor),
+                         r.node_labels, "rollout.node_labels")]
+
+
+def elastic(c: Config) -> bool:
+    """Whether the rollout pool follows the cluster (rollout.max_actors set)."""
+    return c.rollout.max_actors is not None
+
+
+def _engine_bundle(c: Config) -> list[dict[str, float]]:
+    return _bundles(1, c.rollout.cpus_per_actor, c.rollout.gpus_per_actor)
+
+
+def request_engine_pg(c: Config, slot: int) -> PlacementGroup:
+    """Ask for engine `slot`'s placement group without waiting for it (an autoscaler sees the demand)."""
+    labels = c.rollout.node_labels
+    return placement_group(_engine_bundle(c), strategy="PACK", name=f"rlray-rollout-{slot}",
+                           bundle_label_selector=[dict(labels)] if labels else None)
+
+
+def placed(pg: PlacementGroup) -> bool:
+    return pg.wait(timeout_seconds=0)
+
+
+def release_pg(pg: PlacementGroup) -> None:
+    remove_placement_group(pg)
+
+
+def node_alive(node_id: str) -> bool:
+    return any(n["NodeID"] == node_id and n["Alive"] for n in ray.nodes())
+
+
+def node_label(node_id: str) -> str:
+    """A node as a person finds it in the dashboard: its id's first 8 characters and its address."""
+    ip = next((n["NodeManagerAddress"] for n in ray.nodes() if n["NodeID"] == node_id), "address unknown")
+    return f"{node_id[:8]} ({ip})"
+
+
+def rollout_site(c: Config, h: Handles, slot: int) -> tuple[PlacementGroup, int]:
+    """The placement group and bundle of rollout actor `slot` (elastic: its own group's only bundle)."""
+    return (h.engine_pgs[slot], 0) if elastic(c) else (h.rollout_pg, slot)
 
 
 def spawn(c: Config, pad_id: int) -> Handles:
     r = c.rollout
-    tpg, rpg = groups = _groups(c)
-    trainers, master = spawn_trainers(c, tpg)
-    rollouts = [spawn_rollout(c, i, rpg) for i in range(r.num_actors)]
-    h = Handles(trainers, rollouts, spawn_buffer(c, pad_id), master, groups[:1] if c.cluster.colocate else groups)
+    groups = _groups(c)
+    trainers, master = spawn_trainers(c, groups[0])
+    h = Handles(trainers, [], spawn_buffer(c, pad_id), master, groups[:1] if c.cluster.colocate else groups)
+    if elastic(c):
+        h.engine_pgs = {i: _pg(f"rlray-rollout-{i}", _engine_bundle(c), r.node_labels, "rollout.node_labels")
+                        for i in range(r.num_actors)}
+    h.rollouts = [spawn_rollout(c, i, *rollout_site(c, h, i)) for i in range(r.num_actors)]
     if c.teacher.enabled:
         te = c.teacher
         h.teacher_pg = _pg("rlray-teacher", _bundles(te.num_actors, te.cpus_per_actor, te.gpus_per_actor),
@@ -259,13 +308,13 @@ def rollout_name(index: int, incarnation: int = 0) -> str:
     return actor_name("rollout", index, incarnation)
 
 
-def spawn_rollout(c: Config, index: int, pg: PlacementGroup, incarnation: int = 0) -> Any:
-    """Rollout actor `index` in bundle `index` of `pg` (colocated: its engine's first bundle), named
+def spawn_rollout(c: Config, index: int, pg: PlacementGroup, bundle: int, incarnation: int = 0) -> Any:
+    """Rollout actor `index` in bundle `bundle` of `pg` (colocated: its engine's first bundle), named
     `rollout_name(index, incarnation)`. Colocated on GPUs the actor takes no GPU: vLLM's Ray workers take
     each bundle's engine share (VLLM_RAY_BUNDLE_INDICES, VLLM_RAY_PER_WORKER_GPUS), so the actor's
     placement group is captured for the tasks it starts."""
     r, colocated = c.rollout, c.cluster.colocate
-    bundle, gpus, env = index, r.gpus_per_actor, {}
+    gpus, env = r.gpus_per_actor, {}
     if colocated:
         where = Colocation(c)
         bundle = where.first_bundle(index)
@@ -284,5 +333,14 @@ def spawn_rollout(c: Config, index: int, pg: PlacementGroup, incarnation: int = 
 def teardown(h: Handles) -> None:
     for actor in [*h.rollouts, *h.teachers, *h.trainers, h.buffer]:
         ray.kill(actor, no_restart=True)
-    for pg in [*h.groups, *([h.teacher_pg] if h.teacher_pg else [])]:
+    for pg in [*h.groups, *([h.teacher_pg] if h.teacher_pg else []), *h.engine_pgs.values()]:
         remove_placement_group(pg)
+
+
+def _node_id(_actor: Any) -> str:
+    return ray.get_runtime_context().get_node_id()
+
+
+def nodes_of(actors: list[Any], timeout: float) -> list[str]:
+    """The Ray node id of each actor (Ray's `__ray_call__`: a function run inside the actor)."""
+    return ray.get([a.__ray_call__.remote(_node_id) for a in actors], timeout=timeout)

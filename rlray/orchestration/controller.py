@@ -21,6 +21,8 @@ resident and overlap as in the disaggregated layout.
 On-policy distillation (algo.loss=opd) adds a teacher pool (rlray.orchestration.teachers): the buffer
 has each arriving group scored by a teacher; a teacher that dies is replaced while steps wait, as a
 rollout actor is (`teacher_restarts` in the metrics).
+With rollout.max_actors the rollout pool is elastic (rlray.orchestration.elastic): engines join as nodes
+can place them and leave with their nodes (`rollout_actors`, `rollout_joins`, `rollout_leaves`).
 Every run ends, failed ones too, with its curves drawn into `curves.png` (rlray.plot).
 """
 
@@ -45,7 +47,8 @@ from rlray.envs import load_envs
 from rlray.envs.sft import SFTData
 from rlray.models.tiny import model_path
 from rlray.orchestration import checkpoint, cluster, preemption, recovery
-from rlray.orchestration.fleet import RolloutFleet, get_all
+from rlray.orchestration.calls import get_all
+from rlray.orchestration.fleet import RolloutFleet
 from rlray.orchestration.metrics import Metrics
 from rlray.orchestration.teachers import TeacherPool
 
@@ -157,7 +160,7 @@ class Controller:
         needed = self.c.rl.batch_size // self.c.rollout.group_size
         last = "; ".join(f"{name}: {err or 'none'}" for name, err in self.fleet.last_errors().items())
         return (f"RL step {step} waited rl.batch_timeout_s={self.c.rl.batch_timeout_s:g}s for its batch: "
-                f"{queued} of {needed} groups queued; last errors: {last}{self._teacher_state()}. "
+                f"{queued} of {needed} groups queued; last errors: {last}{self._teacher_state()}{self.fleet.pool_line()}. "
                 "Raise rl.batch_timeout_s if rollouts are just slow")
 
     def _teacher_state(self) -> str:
@@ -323,6 +326,7 @@ class Controller:
         self.version = step + 1
         values = {**ray.get(self.h.buffer.step_stats.remote(step)), **outs[0],
                   "rollout_restarts": self.fleet.restarts, "trainer_restarts": self.trainer_restarts,
+                  **self.fleet.pool_stats(),
                   **({"teacher_restarts": self.teachers.restarts} if self.teachers else {})}
         if (step + 1) % c.rl.sync_every == 0:
             values.update(self.sync(self.version))

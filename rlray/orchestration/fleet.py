@@ -32,6 +32,12 @@ Contract:
 - `sleep()` / `wake(tags)` (cluster.colocate with async.max_off_policy_steps=0): the engines release
   the devices while the trainer trains and take them back for the sync and the next batch.
 - `last_errors()`: each actor's last failed group, for messages of a starved trainer.
+- Elastic pool (rollout.max_actors; rlray.orchestration.elastic): a lost actor whose node is gone is
+  dropped, not replaced, and costs no restart; an engine started on a node that joined is added at the
+  next `sync` (at `heal`, while the pool is below rollout.num_actors). Either re-forms the weight group
+  and syncs every engine fully. Actors keep their slot (`rollout-<slot>`, their buffer tickets) while
+  positions in `handles.rollouts` shift. `pool_stats()`: engines, joins and leaves; `pool_line()` the same
+  in words for a starved step.
 """
 
 from __future__ import annotations
@@ -42,21 +48,14 @@ from typing import Any
 import ray
 from ray.exceptions import RayActorError, RayError, RayTaskError
 
-from rlray.actors.rollout import EngineFailed, one_line
+from rlray.actors.rollout import one_line
 from rlray.config import Colocation, Config, weight_backend
 from rlray.orchestration import cluster
-from rlray.weightsync.transport import TrainerSpec, engine_init_infos
+from rlray.orchestration.calls import HEALTH_S, FleetClient, errors, loss_cause
+from rlray.orchestration.elastic import Growth, node_gone
+from rlray.weightsync.transport import TrainerSpec
 
 POLL_S = 0.5  # a sync in flight looks at the engines this often
-HEALTH_S = 5.0  # an actor that does not answer `stats` within this long counts as not answering
-
-
-def loss_cause(error: BaseException) -> str | None:
-    """Why a call's `error` means its rollout actor is lost, or None when it does not."""
-    if isinstance(error, RayActorError):
-        return "it died (its Ray actor process is gone)"
-    cause = getattr(error, "cause", None)  # a RayTaskError carries the actor's own exception
-    return str(cause) if isinstance(cause, EngineFailed) else None
 
 
 def _sync_metrics(sent: dict[str, float]) -> dict[str, float]:
@@ -65,74 +64,43 @@ def _sync_metrics(sent: dict[str, float]) -> dict[str, float]:
             "sync_gb_per_s": sent["sync_bytes"] / max(sent["sync_seconds"], 1e-9) / 1e9}
 
 
-def errors(refs: list[Any], timeout: float | None) -> dict[int, RayError]:
-    """The error of each of `refs` whose task raised (or did not finish within `timeout` s; None: wait)."""
-    failed = {}
-    deadline = None if timeout is None else time.monotonic() + timeout
-    for i, ref in enumerate(refs):
-        try:
-            ray.get(ref, timeout=None if deadline is None else max(0.0, deadline - time.monotonic()))
-        except RayError as e:
-            failed[i] = e
-    return failed
-
-
-def get_all(refs: list[Any], timeout: float | None = None) -> list[Any]:
-    """`ray.get(refs)`; when one fails, the others' errors are read too before the first is raised (Ray
-    prints a traceback for every error never read: a rank's broken collective after another rank died)."""
-    try:
-        return ray.get(refs, timeout=timeout)
-    except RayError:
-        errors(refs, HEALTH_S)
-        raise
-
-
-class FleetClient:
-    """vLLM's `VLLMWeightSyncClient` over rollout actors: each call goes to every actor and waits
-    for all (within `timeout_s`). Engine i's workers take weight-group ranks from the trainer's
-    `rank_offset` plus the workers of engines 0..i-1: vLLM's own Ray client gives every handle
-    the same offset, which fits the replicas of one engine, not independent engines.
-    `weight_version`, set before each sync, labels the weights at finish (vLLM's NCCL trainer
-    engine finishes without one); `adapter`, set before each sync, says it moves a LoRA adapter."""
-
-    def __init__(self, handles: list[Any], workers: list[int], timeout_s: float) -> None:
-        self.handles, self.workers, self.timeout_s = handles, workers, timeout_s
-        self.weight_version = "0"
-        self.adapter: dict[str, Any] | None = None  # set before each sync: the LoRA adapter's config, or None
-
-    def _all(self, refs: list[Any]) -> list[Any]:
-        return ray.get(refs, timeout=self.timeout_s)
-
-    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
-        infos = engine_init_infos(init_info, self.workers)
-        self._all([h.init_weight_transfer_engine.remote(info) for h, info in zip(self.handles, infos)])
-
-    def start_weight_update(self) -> None:
-        self._all([h.start_weight_update.remote(self.adapter) for h in self.handles])
-
-    def update_weights(self, update_info: dict[str, Any] | list[dict[str, Any]]) -> None:
-        self._all([h.update_weights.remote(update_info) for h in self.handles])
-
-    def finish_weight_update(self, weight_version: str | None = None) -> None:
-        self._all([h.finish_weight_update.remote(weight_version or self.weight_version) for h in self.handles])
-
-
 class RolloutFleet:
     def __init__(self, c: Config, handles: cluster.Handles) -> None:
         self.c = c
         self.h = handles
         self.restarts = 0  # rollout actors replaced so far
-        self.incarnations = [0] * len(handles.rollouts)
+        n = len(handles.rollouts)
+        self.slots = list(range(n))  # each actor's slot: its name and its buffer tickets
+        self.incarnations = [0] * n
+        self.nodes: list[str | None] = [None] * n  # each actor's Ray node (`open`)
         self.loops: list[Any] = []  # each actor's RL loop while RL runs (None while it is replaced)
+        self.running = False  # RL loops on (start .. stop / halt)
+        self.growth = Growth(c, handles) if cluster.elastic(c) else None
+        self.joins = self.leaves = 0
 
     def names(self) -> list[str]:
-        return [cluster.rollout_name(i, n) for i, n in enumerate(self.incarnations)]
+        return [cluster.rollout_name(s, n) for s, n in zip(self.slots, self.incarnations)]
+
+    def pool_stats(self) -> dict[str, int]:
+        if self.growth is None:
+            return {}
+        return {"rollout_actors": len(self.h.rollouts), "rollout_joins": self.joins, "rollout_leaves": self.leaves}
+
+    def pool_line(self) -> str:
+        if self.growth is None:
+            return ""
+        r = self.c.rollout
+        return (f"; rollout pool of {len(self.h.rollouts)} (rollout.num_actors={r.num_actors} .. "
+                f"rollout.max_actors={r.max_actors}; {self.joins} joined, {self.leaves} left)")
 
     # ---- weight group -----------------------------------------------------------------
     def open(self) -> int:
         """Form the weight group (trainer rank 0 + every engine's workers); returns its size."""
-        host, port = cluster.free_address(self.h.trainer_pg, 0)
         w = self.c.weights
+        if not self.h.rollouts:  # an elastic pool that lost every engine: the group waits for one to join
+            return 1
+        self.nodes = list(cluster.nodes_of(self.h.rollouts, w.sync_timeout_s))
+        host, port = cluster.free_address(self.h.trainer_pg, 0)
         workers = ray.get([r.workers.remote() for r in self.h.rollouts], timeout=w.sync_timeout_s)
         world = 1 + sum(workers)
         spec = TrainerSpec(weight_backend(self.c), host, port, world, w.bucket_mb and w.bucket_mb << 20,
@@ -154,20 +122,30 @@ class RolloutFleet:
     # ---- weight sync ------------------------------------------------------------------
     def sync(self, version: int) -> dict[str, float]:
         """Every engine gets the trainer's weights as `version`: sync seconds and GB/s."""
-        return self._restore(self._ended(), version)
+        return self._restore(self._ended(), version, self._joiner())
 
-    def _restore(self, lost: dict[int, str], version: int) -> dict[str, float]:
-        """Replace the `lost` actors (index: why), then broadcast until no receiver is lost."""
-        replaced: set[int] = set()
+    def _joiner(self) -> tuple[int, Any, str] | None:
+        if self.growth is None:
+            return None
+        self.growth.step(len(self.h.rollouts))
+        return self.growth.take()
+
+    def _restore(self, lost: dict[int, str], version: int, joiner: tuple[int, Any, str] | None = None) -> dict[str, float]:
+        """Drop or replace the `lost` actors (position: why) and add `joiner`, then broadcast until no
+        receiver is lost."""
+        fresh: set[int] = set()  # slots whose RL loop (re)starts after the broadcast
+        if joiner is not None:
+            fresh.add(self._admit(*joiner))
         while True:
             if lost:
-                self._replace(lost)
-                replaced.update(lost)
+                fresh.update(self._change(lost))
+            if not self.h.rollouts:
+                return {}
             values, lost = self._broadcast(version)
             if not lost:
                 break
-        for i in sorted(replaced):
-            if self.loops:
+        for i, slot in enumerate(self.slots):
+            if self.running and slot in fresh:
                 self.loops[i] = self._loop(i)
         return values
 
@@ -288,9 +266,10 @@ class RolloutFleet:
 
     # ---- RL loops ---------------------------------------------------------------------
     def _loop(self, i: int) -> Any:
-        return self.h.rollouts[i].run.remote(cluster.BufferClient(self.h.buffer, i))
+        return self.h.rollouts[i].run.remote(cluster.BufferClient(self.h.buffer, self.slots[i]))
 
     def start(self) -> None:
+        self.running = True
         self.loops = [self._loop(i) for i in range(len(self.h.rollouts))]
 
     def _ended(self) -> dict[int, str]:
@@ -308,18 +287,23 @@ class RolloutFleet:
         return "its RL loop returned before it was stopped"
 
     def heal(self, version: int) -> bool:
-        """Replace the actors whose RL loop ended early (loading policy `version`); whether any was."""
+        """Replace the actors whose RL loop ended early (loading policy `version`), and below
+        rollout.num_actors add an engine that joined; whether any of that happened."""
         lost = self._ended()
-        if lost:
-            self._restore(lost, version)
-        return bool(lost)
+        joiner = None
+        if self.growth is not None:
+            self.growth.step(len(self.h.rollouts))
+            joiner = self.growth.take() if len(self.h.rollouts) < self.c.rollout.num_actors else None
+        if lost or joiner:
+            self._restore(lost, version, joiner)
+        return bool(lost or joiner)
 
     def stop(self, version: int) -> None:
         """End the RL loops; an actor whose loop ended lost is replaced (with policy `version`)."""
         stops = [r.stop.remote() for r in self.h.rollouts]
         ray.wait(stops, num_returns=len(stops), timeout=self.c.weights.sync_timeout_s)
         failed = errors(self.loops, self.c.weights.sync_timeout_s)
-        self.loops = []
+        self.loops, self.running = [], False
         lost = {i: loss_cause(e) or f"its RL loop did not stop ({one_line(e)})" for i, e in failed.items()}
         if lost:
             self._restore(lost, version)
@@ -329,7 +313,7 @@ class RolloutFleet:
         side is gone (rlray.orchestration.recovery) and the group is re-formed with its successor."""
         timeout = self.c.weights.sync_timeout_s
         errors([r.stop.remote() for r in self.h.rollouts] + [ref for ref in self.loops if ref is not None], timeout)
-        self.loops = []
+        self.loops, self.running = [], False
         errors([r.shutdown_weight_transfer_engine.remote() for r in self.h.rollouts], timeout)
 
     def last_errors(self) -> dict[str, str | None]:
@@ -345,7 +329,8 @@ class RolloutFleet:
     def evaluate(self, version: int, *args: Any) -> list[dict[str, Any]]:
         """`RolloutActor.evaluate(*args)` on every actor, their records concatenated."""
         while True:
-            refs = [r.evaluate.remote(*args) for r in self.h.rollouts]
+            n = len(self.h.rollouts)
+            refs = [r.evaluate.remote(*args, part=i, parts=n) for i, r in enumerate(self.h.rollouts)]
             failed = errors(refs, None)
             lost = {i: cause for i, e in failed.items() if (cause := loss_cause(e)) is not None}
             for i, e in failed.items():
@@ -355,7 +340,56 @@ class RolloutFleet:
                 return [rec for out in ray.get(refs) for rec in out]
             self._restore(lost, version)
 
-    # ---- replacement ------------------------------------------------------------------
+    # ---- membership ---------------------------------------------------------------------
+    def _change(self, lost: dict[int, str]) -> set[int]:
+        """Drop the `lost` actors whose node is gone (elastic pool), replace the others; the slots to restart."""
+        gone = {i: f"its node {cluster.node_label(self.nodes[i] or '')} is gone" for i in lost
+                if self.growth is not None and node_gone(self.h.rollouts[i], self.nodes[i])}
+        kept = {i: why for i, why in lost.items() if i not in gone}
+        fresh = {self.slots[i] for i in kept}
+        if kept:
+            self._replace(kept)
+        if gone:
+            self._drop(gone)
+        return fresh
+
+    def _forget(self, i: int) -> None:
+        """Kill actor `i`, return its tickets to the buffer and read its RL loop's error."""
+        ray.kill(self.h.rollouts[i], no_restart=True)
+        ray.get(self.h.buffer.forget.remote(self.slots[i]))
+        if self.loops and self.loops[i] is not None:
+            errors([self.loops[i]], HEALTH_S)  # its error, read: Ray prints a traceback for one never read
+            self.loops[i] = None
+
+    def _drop(self, gone: dict[int, str]) -> None:
+        """Elastic pool: the actors `gone` leave it (no replacement, no restart used); the group is re-formed."""
+        assert self.growth is not None
+        names = self.names()
+        for i in sorted(gone, reverse=True):
+            self._forget(i)
+            self.growth.release(self.slots[i])
+            for column in [self.h.rollouts, self.slots, self.incarnations, self.nodes] + ([self.loops] if self.loops else []):
+                del column[i]
+        self.leaves += len(gone)
+        self.close(list(range(len(self.h.rollouts))))
+        self.open()
+        for i, why in sorted(gone.items()):
+            print(f"{names[i]} left the rollout pool: {why}{self.pool_line()}", flush=True)
+
+    def _admit(self, slot: int, actor: Any, node: str) -> int:
+        """Elastic pool: rollout actor `slot`, started on `node`, joins; the group is re-formed. Returns `slot`."""
+        self.close(list(range(len(self.h.rollouts))))
+        self.h.rollouts.append(actor)
+        self.slots.append(slot)
+        self.incarnations.append(0)
+        self.nodes.append(node)
+        if self.running:
+            self.loops.append(None)
+        self.joins += 1
+        self.open()
+        print(f"{cluster.rollout_name(slot)} joined the rollout pool on node {cluster.node_label(node)}{self.pool_line()}", flush=True)
+        return slot
+
     def _replace(self, lost: dict[int, str]) -> None:
         """Kill actors `lost`, spawn them again in their bundles and re-form the weight group."""
         c, names = self.c, self.names()
@@ -368,15 +402,12 @@ class RolloutFleet:
         print(f"{what}; replacing it", flush=True)
         self.restarts += len(lost)
         for i in lost:
-            ray.kill(self.h.rollouts[i], no_restart=True)
-            ray.get(self.h.buffer.forget.remote(i))
-            if self.loops and self.loops[i] is not None:
-                errors([self.loops[i]], HEALTH_S)  # its error, read: Ray prints a traceback for one never read
-                self.loops[i] = None
+            self._forget(i)
         self.close([i for i in range(len(self.h.rollouts)) if i not in lost])
         for i in lost:
             self.incarnations[i] = self.restarts
-            self.h.rollouts[i] = cluster.spawn_rollout(c, i, self.h.rollout_pg, self.restarts)
+            self.h.rollouts[i] = cluster.spawn_rollout(c, self.slots[i], *cluster.rollout_site(c, self.h, self.slots[i]),
+                                                       self.restarts)
         ray.get([self.h.rollouts[i].start.remote() for i in lost])
         self.open()
         print(f"{', '.join(self.names()[i] for i in sorted(lost))} started in {time.perf_counter() - t0:.1f}s "

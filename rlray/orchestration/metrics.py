@@ -25,7 +25,7 @@ CONSOLE = [("reward_mean", "reward", "{:.3f}"), ("eval_reward", "eval", "{:.3f}"
            ("router_agreement", "router_agree", "{:.3f}"), ("stale_kl", "stale_kl", "{:.1e}"), ("loss", "loss", "{:.4f}"),
            ("moe_load_max_mean", "moe_load", "{:.2f}"), ("turns_mean", "turns", "{:.2f}"),
            ("token_mismatch_frac", "mismatch", "{:.2f}"), ("teacher_kl", "teacher_kl", "{:.3f}"),
-           ("teacher_tokens_per_s", "teacher tok/s", "{:.0f}")]
+           ("teacher_tokens_per_s", "teacher tok/s", "{:.0f}"), ("rollout_actors", "engines", "{:.0f}")]
 QUIET = {"turns_mean": 1.0, "token_mismatch_frac": 0.0}  # left off the console line at this value
 
 
@@ -40,6 +40,7 @@ RAY_GAUGES = {
     "rlray_stale_groups_dropped": ("stale_dropped", "groups dropped as too stale, in total"),
     "rlray_rollout_errors": ("rollout_errors", "rollouts with an environment error, in total"),
     "rlray_rollout_restarts": ("rollout_restarts", "rollout actors replaced after a crash, in total"),
+    "rlray_rollout_actors": ("rollout_actors", "engines in the elastic rollout pool (rollout.max_actors)"),
     "rlray_trainer_step_seconds": ("train_seconds", "trainer forward/backward/optimizer seconds"),
     "rlray_step_seconds": ("step_seconds", "wall seconds of the whole step"),
     "rlray_weight_sync_seconds": ("sync_seconds", "seconds of the last weight broadcast"),

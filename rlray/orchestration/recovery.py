@@ -25,7 +25,7 @@ from ray.exceptions import RayActorError
 from rlray.actors.rollout import one_line
 from rlray.config import Config
 from rlray.orchestration import cluster
-from rlray.orchestration.fleet import HEALTH_S, errors
+from rlray.orchestration.calls import HEALTH_S, errors
 
 if TYPE_CHECKING:
     from rlray.orchestration.controller import Controller

@@ -82,7 +82,7 @@ def map_file(path: Path, nbytes: int, create: bool = False) -> torch.Tensor:
 @dataclass(kw_only=True)
 class ShmInitInfo(WeightTransferInitInfo):
     prefix: str  # the trainer ranks' files: /dev/shm/<prefix>-<rank>
-    rank_offset: int  # this engine's first worker index (rlray.orchestration.fleet.FleetClient)
+    rank_offset: int  # this engine's first worker index (rlray.orchestration.calls.FleetClient)
     stride: int  # worker w reads trainer rank w * stride's file
 
 

@@ -40,7 +40,8 @@ JOB_HEAD: Keys = ("spec", "rayClusterSpec", "headGroupSpec")
 
 def load(name: str) -> list[dict[str, Any]]:
     with (KUBERAY / name).open() as f:
-        return [d for d in yaml.safe_load_all(f) if d is not None]
+        # through JSON, as kubectl sends them: YAML aliases (the shared GPU pod template) become copies
+        return [json.loads(json.dumps(d)) for d in yaml.safe_load_all(f) if d is not None]
 
 
 def one(name: str, kind: str) -> dict[str, Any]:
@@ -237,18 +238,32 @@ def test_rayjob_entrypoint_runs_an_existing_recipe_that_fits_the_cluster() -> No
     assert c.run.dir.startswith("/mnt/shared/"), c.run.dir  # the run folder lands on the shared volume
 
     spec = job["spec"]["rayClusterSpec"]
-    groups = [(g["replicas"], ray_container(g["template"])) for g in spec["workerGroupSpecs"]]
-    cluster_gpus = sum(n * gpus(cont) for n, cont in groups)
-    cluster_cpus = sum(n * int(cont["resources"]["limits"]["cpu"]) for n, cont in groups)
+    groups = {g["groupName"]: g for g in spec["workerGroupSpecs"]}
+    assert sorted(groups) == ["rollout", "trainer"], sorted(groups)
     t, r = c.trainer, c.rollout
-    need_gpus = t.num_ranks * t.gpus_per_rank + r.num_actors * r.gpus_per_actor
-    need_cpus = t.num_ranks * t.cpus_per_rank + r.num_actors * r.cpus_per_actor
-    assert cluster_gpus == need_gpus == 40, (cluster_gpus, need_gpus)  # the recipe's plan uses every GPU
-    assert need_cpus <= cluster_cpus
-    assert [(n, gpus(cont)) for n, cont in groups] == [(5, 8)]  # 5 workers x 8 GPUs
-    per_node = max(gpus(cont) for _, cont in groups)
-    assert (t.num_ranks * t.gpus_per_rank) % per_node == 0  # the trainer takes whole nodes
-    assert per_node % t.ep == 0 and per_node % r.gpus_per_actor == 0  # EP groups and engines within a node
+    # each group's Ray node labels are what the run selects for its placement groups
+    assert groups["trainer"]["labels"] == t.node_labels and groups["rollout"]["labels"] == r.node_labels
+    per_pod = {name: gpus(ray_container(g["template"])) for name, g in groups.items()}
+    assert per_pod == {"trainer": 8, "rollout": 8}, per_pod
+    trainer = groups["trainer"]
+    assert trainer["minReplicas"] == trainer["replicas"] == trainer["maxReplicas"]  # the trainer does not scale
+    assert trainer["replicas"] * 8 == t.num_ranks * t.gpus_per_rank == 24
+    rollout = groups["rollout"]
+    assert rollout["replicas"] * 8 == r.num_actors * r.gpus_per_actor == 16  # the pool's minimum, placed at start
+    assert r.max_actors is not None and rollout["maxReplicas"] * 8 == r.max_actors * r.gpus_per_actor == 32
+    cpus = {name: int(ray_container(g["template"])["resources"]["limits"]["cpu"]) for name, g in groups.items()}
+    assert t.num_ranks * t.cpus_per_rank <= trainer["replicas"] * cpus["trainer"]
+    assert r.max_actors * r.cpus_per_actor <= rollout["maxReplicas"] * cpus["rollout"]
+    assert 8 % t.ep == 0 and 8 % r.gpus_per_actor == 0  # EP groups and engines within a node
+
+
+@pytest.mark.parametrize("name, spec", cluster_specs(), ids=["rayjob", "raycluster"])
+def test_autoscaling_scales_the_rollout_group_only(name: str, spec: dict[str, Any]) -> None:
+    assert spec["enableInTreeAutoscaling"] is True, name
+    assert spec["autoscalerOptions"]["version"] == "v2", name  # the autoscaler that reads label selectors
+    groups = {g["groupName"]: g for g in spec["workerGroupSpecs"]}
+    assert groups["rollout"]["maxReplicas"] > groups["rollout"]["replicas"], name
+    assert groups["trainer"]["maxReplicas"] == groups["trainer"]["replicas"], name
 
 
 def test_raycluster_matches_the_rayjob_cluster() -> None:
@@ -256,7 +271,7 @@ def test_raycluster_matches_the_rayjob_cluster() -> None:
     cluster_spec = one("raycluster.yaml", "RayCluster")["spec"]
     for a, b in zip(job_spec["workerGroupSpecs"], cluster_spec["workerGroupSpecs"], strict=True):
         assert ray_container(a["template"])["resources"] == ray_container(b["template"])["resources"]
-        assert a["replicas"] == b["replicas"] and a["maxReplicas"] == b["maxReplicas"]
+        assert a["replicas"] == b["replicas"] and a["maxReplicas"] == b["maxReplicas"] and a["labels"] == b["labels"]
 
 
 def test_shared_volume_is_read_write_many() -> None:

@@ -8,8 +8,11 @@ runs, Prometheus (Debian's) scrapes the nodes listed in the config Ray wrote, so
 must reach it, and headless Chromium logs into the Ray dashboard with the token and reads the
 actors and placement groups (tests/deploy/dashboard.py), leaving screenshots in the run folder. The
 environment module comes from `env.python_path`: the rollout actor on node2 must import the
-copy Ray's runtime_env shipped, not the driver's folder. Meanwhile, on node3, a batch job whose
-run has a bad override fails with the run's one-line error. Needs root (slurmd runs jobs as their user); skipped otherwise.
+copy Ray's runtime_env shipped, not the driver's folder. At RL step 3 the job is preempted as Slurm
+does it (`scancel --signal=USR1 --batch`): the batch shell hands the signal to the driver, which
+checkpoints and exits 0, and the job requeues itself; its second start resumes from that checkpoint
+and finishes. Meanwhile, on node3, a batch job whose run has a bad override fails with the run's
+one-line error. Needs root (slurmd runs jobs as their user); skipped otherwise.
 """
 
 from __future__ import annotations
@@ -129,8 +132,12 @@ def batch_env(slurm: dict[str, str], run_dir: Path, temp_dir: str) -> dict[str, 
     return env
 
 
-def sbatch(env: dict[str, str], out: Path, nodes: list[str], *overrides: str) -> subprocess.Popen[str]:
-    cmd = ["sbatch", "--wait", f"--nodes={len(nodes)}", f"--nodelist={','.join(nodes)}", "--cpus-per-task=2",
+GOOD_JOB = "rlray-good"  # the job name of the run that is preempted and requeued
+
+
+def sbatch(env: dict[str, str], out: Path, nodes: list[str], *overrides: str, name: str = "rlray-bad"
+           ) -> subprocess.Popen[str]:
+    cmd = ["sbatch", "--wait", f"--job-name={name}", f"--nodes={len(nodes)}", f"--nodelist={','.join(nodes)}", "--cpus-per-task=2",
            "--gpus-per-node=0", f"--output={out}", str(SCRIPT), *overrides]
     return subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
@@ -174,9 +181,15 @@ def watch(job: subprocess.Popen[str], out: Path, env: dict[str, str], run_dir: P
           work: Path, started: list[subprocess.Popen[bytes]]) -> tuple[dashboard.DashboardView | None, str | None]:
     """While the batch job runs: once its actors are up, Prometheus starts on Ray's config (into
     `started`) and Chromium reads the dashboard; returns the view and Prometheus' address."""
-    view, address, deadline = None, None, time.monotonic() + 900
+    view, address, deadline, preempted = None, None, time.monotonic() + 900, False
     url = f"http://127.0.0.1:{env['RAY_DASHBOARD_PORT']}"
     while job.poll() is None and time.monotonic() < deadline:
+        if not preempted and "[rl] step 3/8" in read(out):
+            ids = subprocess.run(["squeue", "-h", "-n", GOOD_JOB, "-o", "%i"], env=env, capture_output=True, text=True,
+                                 timeout=30).stdout.split()
+            assert len(ids) == 1, ids
+            subprocess.run(["scancel", "--signal=USR1", "--batch", ids[0]], env=env, check=True, timeout=30)
+            preempted = True
         if view is None and "actors ready in" in read(out):
             prometheus, address = start_prometheus(temp_dir, work)
             started.append(prometheus)
@@ -196,7 +209,7 @@ def test_sbatch_runs_the_recipe_on_two_ray_nodes(slurm: dict[str, str], bad_run:
     temp_dir = tempfile.mkdtemp(prefix="rlray-sb-", dir="/tmp")
     env = batch_env(slurm, run_dir, temp_dir)
     job = sbatch(env, out, ["node1", "node2"], *TINY, "rl.steps=8", "env.id=where_env", f"env.python_path=[{modules}]",
-                 "trainer.node_labels={pool: train}", "rollout.node_labels={pool: rollout}")
+                 "trainer.node_labels={pool: train}", "rollout.node_labels={pool: rollout}", name=GOOD_JOB)
     started: list[subprocess.Popen[bytes]] = []
     try:
         view, prometheus = watch(job, out, env, run_dir, temp_dir, tmp_path, started)
@@ -212,6 +225,11 @@ def test_sbatch_runs_the_recipe_on_two_ray_nodes(slurm: dict[str, str], bad_run:
     text = read(out)
     assert job.returncode == 0, text[-4000:]
     assert "all 2 node(s) joined" in text and "stopping Ray" in text
+    # preempted at step 3 or 4 (the signal lands while a step runs), requeued, resumed, finished
+    stopped = re.search(r"preempted \(SIGUSR1\) after RL step (\d): checkpoint at RL step \1", text)
+    assert stopped and int(stopped.group(1)) in (3, 4), text[-4000:]
+    assert "preemption (USR1): asking the rlray driver" in text and "requeueing job" in text, text[-4000:]
+    assert f"stage rl, step {stopped.group(1)}" in text.split("requeueing job", 1)[1], text[-4000:]
     assert "[rl] step 8/8" in text and "held-out greedy reward after RL" in text, text[-3000:]
     assert (run_dir / "curves.png").is_file() and (run_dir / "ray-head.log").is_file()
     assert 0 <= json.loads((run_dir / "summary.json").read_text())["rl_end_reward"] <= 1

@@ -1,0 +1,145 @@
+"""An elastic rollout pool (rollout.num_actors=1, rollout.max_actors=2) on the session's Ray cluster: a
+second node joins by `ray start --address` (its own CPUs), the pool grows to 2 engines (the new one
+generates on the trainer's policy: mismatch_kl as with one engine), the node's raylet is SIGKILLed by
+its process id (not `ray stop`, which would stop the head too), the pool shrinks to 1 without using a
+restart, and the run completes every step once.
+
+Each engine bundle takes just over half of the CPUs the head has left beside the trainer, so the head
+holds one engine and only the new node can hold the second. The steps are paced from the metrics hook:
+it waits there for what needs no driver (the node registered, the engine up, the node declared dead),
+and lets the driver run for what needs it (placing, admitting, dropping).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import ray
+
+from rlray.orchestration import cluster
+from rlray.orchestration.controller import run
+from rlray.orchestration.metrics import Metrics
+from tests.ray.conftest import tiny_config
+
+STEPS = 16
+
+
+def wait_for(what: str, ok, timeout: float = 180) -> None:
+    deadline = time.monotonic() + timeout
+    while not ok():
+        assert time.monotonic() < deadline, f"waited {timeout:g}s for {what}"
+        time.sleep(0.5)
+
+
+def alive_nodes() -> int:
+    return sum(n["Alive"] for n in ray.nodes())
+
+
+def engine_up(name: str) -> bool:
+    try:
+        return ray.get(ray.get_actor(name).stats.remote(), timeout=30)["started"]
+    except ValueError:  # not spawned yet
+        return False
+
+
+def groups_of(name: str) -> int:
+    return ray.get(ray.get_actor(name).stats.remote(), timeout=30)["groups"]
+
+
+class SecondNode:
+    """`ray start --address` of a node with `cpus` CPUs; `kill_raylet()` SIGKILLs its raylet by pid."""
+
+    def __init__(self, cpus: float) -> None:
+        ray_cli = str(Path(sys.executable).parent / "ray")
+        gcs = ray.get_runtime_context().gcs_address
+        self.proc = subprocess.Popen([ray_cli, "start", "--address", gcs, "--num-cpus", f"{cpus:g}", "--num-gpus", "0",
+                                      "--node-ip-address", "127.0.0.1", "--block"],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,  # its logs: Ray's session folder
+                                     start_new_session=True)
+
+    def kill_raylet(self) -> None:
+        raylets = [p for p in psutil.Process(self.proc.pid).children(recursive=True) if p.name() == "raylet"]
+        assert len(raylets) == 1, raylets
+        raylets[0].kill()
+
+    def close(self) -> None:
+        for p in psutil.Process(self.proc.pid).children(recursive=True) + [psutil.Process(self.proc.pid)]:
+            try:
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass
+        self.proc.wait(timeout=30)
+
+
+def test_the_pool_grows_with_a_joining_node_and_shrinks_when_its_raylet_dies(ray_cluster, tmp_path, monkeypatch,
+                                                                               capsys) -> None:
+    trainer_cpus = 2.0  # the tiny config's 2 ranks x 1 CPU
+    room = ray.available_resources()["CPU"] - trainer_cpus
+    per_engine = room // 2 + 1
+    assert per_engine <= room < 2 * per_engine, ray.available_resources()
+    c = tiny_config(tmp_path, "stages=[rl]", f"rl.steps={STEPS}", "rollout.num_actors=1", "rollout.max_actors=2",
+                    "rollout.scale_every_s=1", f"rollout.cpus_per_actor={per_engine:g}", "eval.num_examples=8")
+    nodes_before = alive_nodes()
+    events: dict[str, int] = {}
+    node: list[SecondNode] = []
+    real_log = Metrics.log
+
+    def log(self: Metrics, stage: str, at: int, values: dict, total: int | None = None) -> None:
+        real_log(self, stage, at, values, total)
+        if stage != "rl":
+            return
+        engines = values["rollout_actors"]
+        if not node:
+            node.append(SecondNode(per_engine))
+            wait_for("the second node to register", lambda: alive_nodes() == nodes_before + 1)
+        elif "up" not in events and engine_up("rollout-1"):
+            events["up"] = at
+        elif "up" not in events:
+            time.sleep(1)  # the driver places the bundle and spawns rollout-1 between steps
+        elif "killed" not in events and engines == 2 and groups_of("rollout-1") > 0:
+            node[0].kill_raylet()
+            events["killed"] = at
+            wait_for("Ray to declare the node dead", lambda: alive_nodes() == nodes_before, 120)
+        elif "killed" not in events:
+            time.sleep(0.5)
+
+    monkeypatch.setattr(Metrics, "log", log)
+    try:
+        summary = run(c)
+    finally:
+        if node:
+            node[0].close()
+    out = capsys.readouterr().out
+    records = [r for r in map(json.loads, (Path(c.run.dir) / "metrics.jsonl").read_text().splitlines())
+               if r["stage"] == "rl"]
+    assert [r["step"] for r in records] == list(range(STEPS)) and "rl_end_reward" in summary
+    assert "killed" in events, f"the run ended before the pool grew and shrank: {events}\n{out}"
+    engines = [r["rollout_actors"] for r in records]
+    grown = [r for r in records if r["rollout_actors"] == 2]
+    assert [k for k, _ in itertools.groupby(engines)] == [1, 2, 1], engines
+    last = records[-1]
+    assert (last["rollout_joins"], last["rollout_leaves"], last["rollout_restarts"]) == (1, 1, 0)
+    assert all(r["mismatch_kl"] < 1e-6 for r in grown), [r["mismatch_kl"] for r in grown]
+    joined = [x for x in out.splitlines() if x.startswith("rollout-1 joined the rollout pool on node ")]
+    left = [x for x in out.splitlines() if x.startswith("rollout-1 left the rollout pool: its node ")]
+    assert len(joined) == 1 and len(left) == 1 and "rollout pool of 1 (" in left[0], out
+    assert "Traceback" not in out
+
+
+def test_elastic_keys_are_checked(tmp_path) -> None:
+    from rlray.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"rollout.max_actors=1 is below rollout.num_actors=2"):
+        tiny_config(tmp_path, "rollout.num_actors=2", "rollout.max_actors=1")
+    with pytest.raises(ConfigError, match=r"rollout.max_actors with cluster.colocate=true"):
+        tiny_config(tmp_path, "rollout.max_actors=2", "cluster.colocate=true", "async.max_off_policy_steps=0",
+                    "weights.delta=false")
+    c = tiny_config(tmp_path, "rollout.max_actors=3")
+    assert cluster.elastic(c) and c.rollout.num_actors == 1
