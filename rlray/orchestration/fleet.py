@@ -46,7 +46,7 @@ import time
 from typing import Any
 
 import ray
-from ray.exceptions import RayActorError, RayError, RayTaskError
+from ray.exceptions import GetTimeoutError, RayActorError, RayError, RayTaskError
 
 from rlray.actors.rollout import one_line
 from rlray.config import Colocation, Config, weight_backend
@@ -77,6 +77,7 @@ class RolloutFleet:
         self.running = False  # RL loops on (start .. stop / halt)
         self.growth = Growth(c, handles) if cluster.elastic(c) else None
         self.joins = self.leaves = 0
+        self.went: dict[tuple[int, int], bool] = {}  # (slot, incarnation) -> whether it went with its node
 
     def names(self) -> list[str]:
         return [cluster.rollout_name(s, n) for s, n in zip(self.slots, self.incarnations)]
@@ -195,6 +196,7 @@ class RolloutFleet:
             lost = self._unfinished(version)
         if weight_backend(self.c) in ("nccl", "ipc"):
             raise RuntimeError(self._stuck(version, lost, failed))
+        self._gone(lost)  # asked before the kill, which would make every one of them look dead on a live node
         for i in lost:
             ray.kill(self.h.rollouts[i], no_restart=True)  # gloo: rank 0's broadcast to it fails instead of waiting
         ray.wait(sends, num_returns=len(sends), timeout=w.group_timeout_s)
@@ -343,8 +345,7 @@ class RolloutFleet:
     # ---- membership ---------------------------------------------------------------------
     def _change(self, lost: dict[int, str]) -> set[int]:
         """Drop the `lost` actors whose node is gone (elastic pool), replace the others; the slots to restart."""
-        gone = {i: f"its node {cluster.node_label(self.nodes[i] or '')} is gone" for i in lost
-                if self.growth is not None and node_gone(self.h.rollouts[i], self.nodes[i])}
+        gone = self._gone(lost)
         kept = {i: why for i, why in lost.items() if i not in gone}
         fresh = {self.slots[i] for i in kept}
         if kept:
@@ -352,6 +353,17 @@ class RolloutFleet:
         if gone:
             self._drop(gone)
         return fresh
+
+    def _gone(self, lost: dict[int, str]) -> dict[int, str]:
+        """Elastic pool: those of the `lost` actors that went with their node (asked once per actor)."""
+        if self.growth is None:
+            return {}
+        for i in lost:
+            key = (self.slots[i], self.incarnations[i])
+            if key not in self.went:
+                self.went[key] = node_gone(self.h.rollouts[i], self.nodes[i])
+        return {i: f"its node {cluster.node_label(self.nodes[i] or '')} is gone" for i in lost
+                if self.went[(self.slots[i], self.incarnations[i])]}
 
     def _forget(self, i: int) -> None:
         """Kill actor `i`, return its tickets to the buffer and read its RL loop's error."""
@@ -408,7 +420,13 @@ class RolloutFleet:
             self.incarnations[i] = self.restarts
             self.h.rollouts[i] = cluster.spawn_rollout(c, self.slots[i], *cluster.rollout_site(c, self.h, self.slots[i]),
                                                        self.restarts)
-        ray.get([self.h.rollouts[i].start.remote() for i in lost])
+        timeout = self.c.rl.batch_timeout_s
+        try:  # a bundle whose node is gone waits for Ray to place it again, which needs room somewhere
+            ray.get([self.h.rollouts[i].start.remote() for i in lost], timeout=timeout)
+        except GetTimeoutError:
+            raise RuntimeError(f"{', '.join(self.names()[i] for i in sorted(lost))} did not start within "
+                               f"rl.batch_timeout_s={timeout:g}s (no room for its bundle since its node left?); "
+                               "add a node, or set rollout.max_actors to let the pool shrink") from None
         self.open()
         print(f"{', '.join(self.names()[i] for i in sorted(lost))} started in {time.perf_counter() - t0:.1f}s "
               f"({self.restarts} of rollout.max_restarts={c.rollout.max_restarts} used)", flush=True)

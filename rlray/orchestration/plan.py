@@ -252,8 +252,11 @@ class Plan:
                 ranks = ", ".join(str(first + d.ep * j) for j in range(d.efsdp))
                 lines.append(f"    ranks {ranks}: experts {held.start}-{held.stop - 1}")
         dp = f" x data_parallel_size={r.data_parallel_size}" if r.data_parallel_size > 1 else ""
-        lines.append(f"rollout: {r.num_actors} engines x tensor_parallel_size={r.tensor_parallel_size}{dp}, "
-                     f"{r.dtype}; weight group of 1 + {r.num_actors * engine_workers(r)} workers")
+        count = f"{r.num_actors}" if r.max_actors is None else f"{r.num_actors} to {r.max_actors} (elastic)"
+        workers = f"{r.num_actors * engine_workers(r)}" + ("" if r.max_actors is None else
+                                                          f" to {r.max_actors * engine_workers(r)}")
+        lines.append(f"rollout: {count} engines x tensor_parallel_size={r.tensor_parallel_size}{dp}, "
+                     f"{r.dtype}; weight group of 1 + {workers} workers")
         if s.experts:
             k = s.dim("num_experts_per_tok")
             lines.append(f"  routing: {s.moe_layers} MoE layers x top-{k} x {route_dtype(s.experts).itemsize} B = "
@@ -323,7 +326,10 @@ class Plan:
         if not self.c.cluster.colocate:
             return ["placement groups",
                     f"  rlray-trainer: {t.num_ranks} bundles x {{CPU: {t.cpus_per_rank:g}, GPU: {t.gpus_per_rank:g}}}",
-                    f"  rlray-rollout: {r.num_actors} bundles x {{CPU: {r.cpus_per_actor:g}, GPU: {r.gpus_per_actor:g}}}",
+                    (f"  rlray-rollout: {r.num_actors} bundles x {{CPU: {r.cpus_per_actor:g}, GPU: {r.gpus_per_actor:g}}}"
+                     if r.max_actors is None else f"  rlray-rollout-<slot>: one per engine, {r.num_actors} placed at start, "
+                     f"up to {r.max_actors} as nodes join: 1 bundle x {{CPU: {r.cpus_per_actor:g}, GPU: "
+                     f"{r.gpus_per_actor:g}}}"),
                     *self._teacher_group()]
         where = Colocation(self.c)
         share = (f"; each GPU split {TRAINER_GPU_SHARE:g} trainer / {1 - TRAINER_GPU_SHARE:g} engine worker in Ray's "

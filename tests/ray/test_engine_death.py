@@ -21,6 +21,7 @@ import ray
 
 from rlray.config import Config
 from rlray.orchestration.controller import Controller, run
+from rlray.orchestration.fleet import RolloutFleet
 from rlray.orchestration.metrics import Metrics
 from tests.ray.conftest import kill_engine, tiny_config
 from tests.ray.test_replace import rl_records
@@ -84,10 +85,13 @@ def test_dead_engines_are_replaced_between_syncs_until_max_restarts(ray_cluster,
 
 
 def test_a_starved_step_fails_naming_what_it_waited_for(ray_cluster, tmp_path) -> None:
-    c = tiny_config(tmp_path, rl={"batch_timeout_s": 1.5})
+    """An elastic pool that lost every engine (rollout.max_actors=2, one joined and both left) says so too."""
+    c = tiny_config(tmp_path, rl={"batch_timeout_s": 1.5}, rollout={"max_actors": 2})
     ctl = Controller(c)
+    pool = SimpleNamespace(growth=object(), h=SimpleNamespace(rollouts=[]), c=c, joins=1, leaves=2)
     ctl._fleet = SimpleNamespace(heal=lambda version: False,  # type: ignore[assignment]
-                                 last_errors=lambda: {"rollout-0": "ValueError: no", "rollout-1": None})
+                                 last_errors=lambda: {"rollout-0": "ValueError: no", "rollout-1": None},
+                                 pool_line=lambda: RolloutFleet.pool_line(pool))  # type: ignore[arg-type]
     ctl._h = SimpleNamespace(buffer=SimpleNamespace(queued=SimpleNamespace(  # type: ignore[assignment]
         remote=lambda step: ray.put(1))))
     t0 = time.monotonic()
@@ -95,7 +99,8 @@ def test_a_starved_step_fails_naming_what_it_waited_for(ray_cluster, tmp_path) -
         ctl._wait([ray.ObjectRef.from_random()], 7)  # never ready
     assert 1.5 <= time.monotonic() - t0 < 10
     assert str(caught.value) == ("RL step 7 waited rl.batch_timeout_s=1.5s for its batch: 1 of 4 groups queued; "
-                                 "last errors: rollout-0: ValueError: no; rollout-1: none. "
+                                 "last errors: rollout-0: ValueError: no; rollout-1: none; rollout pool of 0 "
+                                 "(rollout.num_actors=1 .. rollout.max_actors=2; 1 joined, 2 left). "
                                  "Raise rl.batch_timeout_s if rollouts are just slow")
     ctl.metrics.close()
 
@@ -140,7 +145,6 @@ def hung_trainer(ray_cluster) -> Any:
 
 def stub_fleet(trainer: Any, backend: str, rollouts: list[tuple[str | None, int]]) -> Any:
     from rlray.orchestration import cluster
-    from rlray.orchestration.fleet import RolloutFleet
 
     c = Config()
     c.cluster.backend = backend

@@ -2,7 +2,7 @@
 trainer rank: the multi-rank paths are the same for every loss and are tested in tests/dist).
 Losses that other runs already train get no run of their own: DAPO and Dr.GRPO in
 tests/ray/test_rl_loop, GSPO and CISPO in tests/ray/test_envs, GRPO in tests/ray/test_replace
-(same checks), OPD in tests/ray/test_distill (it needs a teacher)."""
+(same checks), OPD in tests/ray/test_default_recipe (it needs a trained teacher)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import pytest
 from rlray.algo.loss import LOSSES
 from rlray.orchestration.controller import run
 from tests.ray.conftest import tiny_config
-from tests.ray.test_distill import LOSSES as IN_DISTILL
+from tests.ray.test_default_recipe import LOSSES as IN_DISTILL
 from tests.ray.test_envs import LOSSES as IN_ENVS
 from tests.ray.test_replace import LOSSES as IN_REPLACE
 from tests.ray.test_rl_loop import LOSSES as IN_RL_LOOP

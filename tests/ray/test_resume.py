@@ -2,7 +2,8 @@
 after the resume train on the same prompts, at the same learning rates, from the same weights (bit for bit)
 as an uninterrupted run of the same seed, and SFT is not run again. The newest checkpoint has half of a
 DCP shard cut off first (a disk that filled, a copy that broke): the resume says so in one line, sets it
-aside (kept as `.damaged`) and goes on from the one before it.
+aside (kept as `.damaged`) and goes on from the one before it. A LoRA run SIGTERMed mid-RL (a preemption)
+checkpoints where it is, exits 0, and resumes from that adapter checkpoint.
 
 With `async.max_off_policy_steps=0` every batch is the next G tickets, each ticket names its prompt
 and sampling seed, and the checkpoint holds every RNG, the scheduler and the lowest ticket not
@@ -118,32 +119,15 @@ def test_sigkilled_driver_resumes_exactly(ray_cluster, tmp_path, capsys) -> None
     assert digests(killed_dir)[STEPS] and (killed_dir / "hf" / "config.json").exists()
 
 
-def test_a_sigkilled_lora_run_resumes_from_its_adapter_checkpoint(ray_cluster, tmp_path) -> None:
-    """LoRA: SFT trains the base, RL the adapters; the checkpoints hold the adapters, and the base SFT
-    trained, kept once beside them, comes back under them bit for bit after the SIGKILL."""
-    killed_dir = tmp_path / "run"
-    killed_dir.parent.mkdir(exist_ok=True)
-    kill_driver_after_rl_step(killed_dir, 2, "trainer.lora.rank=8", "rl.steps=5")
-    sft_before, saved = records(killed_dir, "sft"), digests(killed_dir)
-    summary = run(tiny_config(tmp_path, *OVERRIDES, "trainer.lora.rank=8", "rl.steps=5"))
-    at = max(saved)
-    assert at >= 2 and summary["resumed_weights"] == saved[at]
-    assert records(killed_dir, "sft") == sft_before, "SFT ran again after the resume"
-    assert [r["step"] for r in records(killed_dir, "rl")][-(5 - at):] == list(range(at, 5))
-    ckpt = killed_dir / "checkpoints" / "ckpt_rl_00000005"
-    assert json.loads((ckpt / "base.json").read_text()) == {"base": "../lora_base"}
-    rl = records(killed_dir, "rl")
-    assert max(r["sync_mb"] for r in rl if "sync_mb" in r) < 0.25 * max(r["sync_mb"] for r in sft_before
-                                                                       if "sync_mb" in r)
-    assert (killed_dir / "hf" / "adapter" / "adapter_config.json").exists() and (killed_dir / "hf" / "base").is_dir()
-
-
-def test_sigterm_preempts_the_driver_with_a_checkpoint_and_the_run_resumes(ray_cluster, tmp_path) -> None:
+def test_a_sigterm_preempted_lora_run_resumes_from_its_adapter_checkpoint(ray_cluster, tmp_path) -> None:
     """SIGTERM (what Slurm and `ray job stop` send) mid-RL: the driver commits a checkpoint at the step it is
-    at, exits 0 with one line within checkpoint.preempt_grace_s, and the same run.dir resumes from there."""
-    run_dir = tmp_path / "run"
+    at, exits 0 with one line within checkpoint.preempt_grace_s, and the same run.dir resumes from there.
+    With LoRA: SFT trains the base, RL the adapters; the checkpoints hold the adapters, and the base SFT
+    trained, kept once beside them, comes back under them bit for bit."""
+    run_dir, steps = tmp_path / "run", 6
     run_dir.parent.mkdir(exist_ok=True)
-    proc = driver_at_rl_step(run_dir, 2, "checkpoint.every=100", "checkpoint.preempt_grace_s=90", "rl.steps=6")
+    extra = ("trainer.lora.rank=8", f"rl.steps={steps}", "checkpoint.every=100")
+    proc = driver_at_rl_step(run_dir, 2, *extra, "checkpoint.preempt_grace_s=90")
     t0 = time.monotonic()
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=90) == 0 and time.monotonic() - t0 < 90
@@ -152,7 +136,16 @@ def test_sigterm_preempts_the_driver_with_a_checkpoint_and_the_run_resumes(ray_c
     assert len(line) == 1 and f"run again with run.dir={run_dir} to resume" in line[0], out[-3000:]
     at = int(line[0].split("after RL step ")[1].split(":")[0])
     assert at >= 3 and f"checkpoint at RL step {at};" in line[0]
-    assert sorted(digests(run_dir)) == [0, at]  # RL start, and the preemption's (checkpoint.every=100)
-    summary = run(tiny_config(tmp_path, *OVERRIDES, "checkpoint.every=100", "rl.steps=6"))
-    assert summary["resumed_weights"] == digests(run_dir)[at]
-    assert [r["step"] for r in records(run_dir, "rl")][-(6 - at):] == list(range(at, 6))
+    saved, sft_before = digests(run_dir), records(run_dir, "sft")
+    assert sorted(saved) == [0, at]  # RL start, and the preemption's (checkpoint.every=100)
+
+    summary = run(tiny_config(tmp_path, *OVERRIDES, *extra))
+    assert summary["resumed_weights"] == saved[at]
+    assert records(run_dir, "sft") == sft_before, "SFT ran again after the resume"
+    assert [r["step"] for r in records(run_dir, "rl")][-(steps - at):] == list(range(at, steps))
+    ckpt = run_dir / "checkpoints" / f"ckpt_rl_{steps:08d}"
+    assert json.loads((ckpt / "base.json").read_text()) == {"base": "../lora_base"}
+    rl = records(run_dir, "rl")
+    assert max(r["sync_mb"] for r in rl if "sync_mb" in r) < 0.25 * max(r["sync_mb"] for r in sft_before
+                                                                       if "sync_mb" in r)
+    assert (run_dir / "hf" / "adapter" / "adapter_config.json").exists() and (run_dir / "hf" / "base").is_dir()

@@ -23,6 +23,14 @@ def test_dry_run_of_the_full_glm_recipe_prints_the_plan_and_starts_nothing() -> 
     assert "controller reached" not in result.stderr
 
 
+def test_an_elastic_pool_is_planned_from_its_minimum_to_its_maximum() -> None:
+    text = make_plan(composed("+recipe=glm_moe", "rollout.max_actors=8")).render()
+    assert "rollout: 4 to 8 (elastic) engines x tensor_parallel_size=4" in text
+    assert "weight group of 1 + 16 to 32 workers" in text
+    assert "rlray-rollout-<slot>: one per engine, 4 placed at start, up to 8 as nodes join: 1 bundle x {CPU: 16, GPU: 4}" \
+        in text
+
+
 def composed(*overrides: str) -> Config:
     from hydra import compose, initialize_config_dir
 
