@@ -222,10 +222,11 @@ class Plan:
 
     def summary(self) -> str:
         """One line for the console of a real run (the whole plan goes to plan.txt)."""
-        d, e = self.dims, self.engine
-        dp = f" x DP {self.c.rollout.data_parallel_size}" if self.c.rollout.data_parallel_size > 1 else ""
+        d, e, r = self.dims, self.engine, self.c.rollout
+        dp = f" x DP {r.data_parallel_size}" if r.data_parallel_size > 1 else ""
+        count = f"{r.num_actors}" if r.max_actors is None else f"{r.num_actors} to {r.max_actors} (elastic)"
         return (f"plan: {self.shape.name}, {human(self.shape.params)} parameters; trainer dp_shard={d.dp_shard} "
-                f"ep={d.ep} cp={d.cp}, ~{sum(self.trainer.values()) / GB:.1f} GB per rank; {self.c.rollout.num_actors} engine(s) "
+                f"ep={d.ep} cp={d.cp}, ~{sum(self.trainer.values()) / GB:.1f} GB per rank; {count} engine(s) "
                 f"x TP {self.c.rollout.tensor_parallel_size}{dp}, {e['weights'] / GB:.2f} GB weights each"
                 + (f"; colocated in one placement group, weights handed over by {weight_backend(self.c)}"
                    if self.c.cluster.colocate else "")

@@ -24,7 +24,9 @@ def test_dry_run_of_the_full_glm_recipe_prints_the_plan_and_starts_nothing() -> 
 
 
 def test_an_elastic_pool_is_planned_from_its_minimum_to_its_maximum() -> None:
-    text = make_plan(composed("+recipe=glm_moe", "rollout.max_actors=8")).render()
+    plan = make_plan(composed("+recipe=glm_moe", "rollout.max_actors=8"))
+    text = plan.render()
+    assert "; 4 to 8 (elastic) engine(s) x TP 4" in plan.summary()
     assert "rollout: 4 to 8 (elastic) engines x tensor_parallel_size=4" in text
     assert "weight group of 1 + 16 to 32 workers" in text
     assert "rlray-rollout-<slot>: one per engine, 4 placed at start, up to 8 as nodes join: 1 bundle x {CPU: 16, GPU: 4}" \
