@@ -82,7 +82,9 @@ def test_distillation_from_the_default_runs_export(default_run, tmp_path) -> Non
     assert proc.returncode == 0, err[-4000:]
     assert f"1 teacher(s) of {teacher_dir / 'hf'}" in out and "algo.loss=opd: paper preset" in out
     assert "teacher-0 was lost: its process died" in out and "teacher-0.1 started in" in out, out[-3000:]
-    assert [line for line in out.splitlines() if not line.startswith((*OURS, "teacher-0"))] == []  # teacher_kl on [rl]
+    # Ray's raylet reports the worker the test killed ("A worker died or was killed ...") on the console too
+    killed = "\x1b[33m(raylet)\x1b[0m A worker died or was killed while executing a task"
+    assert [line for line in out.splitlines() if not line.startswith((*OURS, "teacher-0", killed))] == []
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["rl_end_reward"] - summary["rl_start_reward"] >= 0.05, summary
     rl = [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if r["stage"] == "rl"]

@@ -122,11 +122,11 @@ def test_the_pool_grows_with_a_joining_node_and_shrinks_when_its_raylet_dies(ray
     assert [r["step"] for r in records] == list(range(STEPS)) and "rl_end_reward" in summary
     assert "killed" in events, f"the run ended before the pool grew and shrank: {events}\n{out}"
     engines = [r["rollout_actors"] for r in records]
-    grown = [r for r in records if r["rollout_actors"] == 2]
     assert [k for k, _ in itertools.groupby(engines)] == [1, 2, 1], engines
     last = records[-1]
     assert (last["rollout_joins"], last["rollout_leaves"], last["rollout_restarts"]) == (1, 1, 0)
-    assert all(r["mismatch_kl"] < 1e-6 for r in grown), [r["mismatch_kl"] for r in grown]
+    # every batch, those holding rollout-1's groups included: its engine generated on the trainer's weights
+    assert all(r["mismatch_kl"] < 1e-6 for r in records), [r["mismatch_kl"] for r in records]
     joined = [x for x in out.splitlines() if x.startswith("rollout-1 joined the rollout pool on node ")]
     left = [x for x in out.splitlines() if x.startswith("rollout-1 left the rollout pool: its node ")]
     assert len(joined) == 1 and len(left) == 1 and "rollout pool of 1 (" in left[0], out
