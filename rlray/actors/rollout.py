@@ -40,11 +40,12 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 from rlray.config import EnvConfig, ModelConfig, RolloutConfig, engine_workers
-from rlray.envs import load_envs
+from rlray.envs import V1Env, load_envs
+from rlray.envs.v1 import specs as v1_specs
 from rlray.models.tiny import model_path
 from rlray.parallel.dims import num_experts
 from rlray.types import Group
@@ -88,8 +89,9 @@ def cpu_binding(workers: int, cores: list[int] | None = None) -> str:
 class RolloutActor:
     def __init__(self, index: int, num_actors: int, model: ModelConfig, rollout: RolloutConfig,
                  env: EnvConfig, seed: int, run_seed: int = 0, weights_backend: str = "gloo",
-                 lora_rank: int = 0, colocated: bool = False) -> None:
+                 lora_rank: int = 0, colocated: bool = False, v1_spawner: Callable[..., Any] | None = None) -> None:
         self.index, self.num_actors, self.run_seed = index, num_actors, run_seed
+        self.v1_spawner = v1_spawner  # (specs, tokenizer folder, chat template) -> this actor's v1 env actor
         self.lora_rank = lora_rank  # > 0: the engine serves the trainer's LoRA adapter (trainer.lora.rank)
         self.model_cfg, self.cfg, self.env_cfg, self.seed = model, rollout, env, seed
         self.version = 0
@@ -117,7 +119,7 @@ class RolloutActor:
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         template = resolve_chat_template(self.env_cfg, self.tokenizer)
         bridge = TurnBridge(self.tokenizer, template)  # fails fast on a template it cannot split
-        envs = load_envs(self.env_cfg)
+        envs = await self._load_envs(path, template)
         if self.cfg.gpus_per_actor == 0 and engine_workers(self.cfg) > 1:
             os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_binding(engine_workers(self.cfg)))
         self.engine = await Engine.create(path, max_model_len=self.cfg.max_model_len, seed=self.seed + self.index,
@@ -136,6 +138,21 @@ class RolloutActor:
                                 version=lambda: self.version, server=self.server, chat_template=template,
                                 num_actors=self.num_actors, run_seed=self.run_seed)
         return {"index": self.index, "model": path, "endpoint": self.server.url}
+
+    async def _load_envs(self, path: str, template: str) -> list:
+        """The envs of `env`; v1 envs (rlray.envs.v1) get this actor's v1 env actor, which describes their tasks."""
+        specs = v1_specs(self.env_cfg)
+        if not specs:
+            return load_envs(self.env_cfg)
+        if self.v1_spawner is None:
+            raise ValueError(f"env {list(specs)} is a verifiers v1 env: the rollout actor needs a v1 env actor "
+                             "(rlray.orchestration.cluster.spawn_v1_env)")
+        self.v1_actor = self.v1_spawner(specs, path, template)
+        envs = load_envs(self.env_cfg, described=await self.v1_actor.describe.remote())
+        for env, _ in envs:
+            if isinstance(env, V1Env):
+                env.actor = self.v1_actor
+        return envs
 
     def _engine_kwargs(self) -> dict[str, Any]:
         kwargs: dict[str, Any] = {"dtype": self.cfg.dtype, "enforce_eager": self.cfg.enforce_eager,

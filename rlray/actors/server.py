@@ -15,6 +15,11 @@ Contract:
   `versions(response_id, num_tokens)` returns one version per output token; with routing capture
   (MoE), `routing(response_id, num_tokens)` the experts of every position of prompt + completion.
   With LoRA every request is served with the engine's current adapter (`Engine.lora`).
+- Sessions (verifiers v1's TrainClient sends `X-Session-ID: <trace id>` on every generate request, which
+  vLLM hands the engine client as `session_id`): turn k of a session samples with seed `seed +
+  TURN_SEED_STRIDE * k` when seeded, and `max_tokens` cut to what `max_model_len` leaves after its prompt;
+  `session(session_id, default)` pops the session's finished requests in order, each `{"id", "prompt",
+  "out", "versions"}` (prompt and output ids, one policy version per output token).
 - A tokenizer without a chat template gets `PLAIN_CHAT_TEMPLATE` (bos, then every
   message's text; an assistant turn ends with eos; tool calls are written `name(args)`),
   which together with the `rlray` tool-call parser (rlray.envs.tool_parser) lets the
@@ -30,6 +35,7 @@ from collections import OrderedDict
 from typing import Any
 
 from rlray.envs.base import SERVED_MODEL
+from rlray.envs.client import TURN_SEED_STRIDE
 
 PLAIN_CHAT_TEMPLATE = (
     "{{ bos_token }}"
@@ -59,20 +65,45 @@ class _VersionTracking:
         self._engine, self._llm = engine, engine.llm
         self._spans: OrderedDict[str, dict[int, list]] = OrderedDict()
         self._routing: OrderedDict[str, dict[int, Any]] = OrderedDict()
+        self._sessions: OrderedDict[str, list[dict[str, Any]]] = OrderedDict()
         self._capacity = capacity
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._llm, name)
 
+    def _session_turn(self, session: str, prompt: Any, params: Any) -> tuple[list, Any]:
+        """The session's record list (a new turn appended) and this turn's sampling parameters."""
+        turns = self._sessions.setdefault(session, [])
+        self._sessions.move_to_end(session)
+        if len(self._sessions) > self._capacity:
+            self._sessions.popitem(last=False)
+        k, length = len(turns), _prompt_len(prompt)
+        room = None if length is None else self._llm.model_config.max_model_len - length
+        if (params.seed is not None and k) or (room is not None and 0 < room < (params.max_tokens or room + 1)):
+            params = params.clone()
+            if params.seed is not None:  # replaying turn 0's random draws would repeat its choices
+                params.seed = (params.seed + TURN_SEED_STRIDE * k) % 2**31
+            if room is not None and 0 < room < (params.max_tokens or room + 1):
+                params.max_tokens = room
+        return turns, params
+
     async def generate(self, prompt: Any, sampling_params: Any, request_id: str, *args: Any, **kwargs: Any):
         routing: dict[int, Any] = {}
         if self._engine.lora is not None:  # the policy's LoRA adapter, whatever model name the request gave
             kwargs["lora_request"] = self._engine.lora
+        session = kwargs.get("session_id")
+        if session is not None:
+            turns, sampling_params = self._session_turn(session, prompt, sampling_params)
+            record: dict[str, Any] = {"id": request_id, "prompt": [], "out": [], "spans": None}
+            turns.append(record)
         try:
             async for out in self._llm.generate(prompt, sampling_params, request_id, *args, **kwargs):
                 for c in out.outputs:
                     if c.weight_versions is not None:
                         self._spans.setdefault(request_id, {})[c.index] = list(c.weight_versions)
+                if session is not None and out.finished:
+                    record.update(prompt=list(out.prompt_token_ids or []), out=list(out.outputs[0].token_ids),
+                                  spans=self._spans.pop(request_id, {}).get(0))
                 self._engine.keep_routing(routing, out)
                 if out.finished and len(self._spans) > self._capacity:
                     self._spans.popitem(last=False)
@@ -89,9 +120,18 @@ class _VersionTracking:
         spans = self._spans.pop(request_id, None)
         return None if spans is None else spans.get(index)
 
+    def pop_session(self, session: str) -> list[dict[str, Any]]:
+        return self._sessions.pop(session, [])
+
     def pop_routing(self, request_id: str, index: int = 0) -> Any:
         routing = self._routing.pop(request_id, None)
         return None if routing is None else routing.get(index)
+
+
+def _prompt_len(prompt: Any) -> int | None:
+    """The token count of an engine input (a dict or object with `prompt_token_ids`), None if unknown."""
+    ids = prompt.get("prompt_token_ids") if isinstance(prompt, dict) else getattr(prompt, "prompt_token_ids", None)
+    return None if ids is None else len(ids)
 
 
 def spans_to_versions(spans: list | None, num_tokens: int, default: int) -> list[int]:
@@ -179,6 +219,12 @@ class OpenAIServer:
 
     def versions(self, response_id: str, num_tokens: int, default: int, index: int = 0) -> list[int]:
         return spans_to_versions(self.tracking.pop_spans(response_id, index), num_tokens, default)
+
+    def session(self, session_id: str, default: int) -> list[dict[str, Any]]:
+        """The finished generate requests of a session (`X-Session-ID`), in the order they came, each with
+        `versions`: one per output token (`default` where unlabelled)."""
+        return [{**r, "versions": spans_to_versions(r["spans"], len(r["out"]), default)}
+                for r in self.tracking.pop_session(session_id)]
 
     def routing(self, response_id: str, num_tokens: int, index: int = 0) -> Any:
         """The routing of a finished response's prompt + completion (`num_tokens` positions; None without)."""

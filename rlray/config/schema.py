@@ -260,6 +260,21 @@ class EnvSpec:
     id: str = "reverse_text"
     args: dict[str, Any] = field(default_factory=dict)
     weight: float = 1.0
+    v1: dict[str, Any] = field(default_factory=dict)  # a v1 env's options over env.v1 (harness, eval_args, ...)
+
+
+@dataclass
+class V1Config:
+    """verifiers v1 (0.4) environments: an env module importing `verifiers.v1` runs in a v1 env actor
+    beside each rollout actor, with an interpreter of its own (rlray.envs.v1)."""
+
+    python: str | None = None  # a prepared interpreter with verifiers 0.4 and this Ray; None: .venv-v1, built once
+    harness: str = "chat"  # rlray's in-process chat harness, or a verifiers harness id (bash, codex, ...)
+    runtime: str = "subprocess"  # verifiers' runtime type for the harness (docker, prime, ... need their own setup)
+    max_turns: int | None = None  # verifiers' AgentConfig.max_turns; None: the env's own
+    role: str = "agent"  # the env's agent role that rlray trains and configures
+    eval_args: dict[str, Any] = field(default_factory=dict)  # taskset fields over env.args for the eval split
+    max_tasks: int = 100_000  # tasks read from a taskset per split (an endless taskset stops there)
 
 
 @dataclass
@@ -285,6 +300,7 @@ class EnvConfig:
     # An env whose sampling args bias the distribution (guided decoding, logit bias, penalties) is rejected
     # at load; true: train it anyway, its rollouts' mu taken as the trainer's policy (README "Environments")
     allow_biased_sampling: bool = False
+    v1: V1Config = field(default_factory=V1Config)
 
     def __post_init__(self) -> None:
         t = self.chat_template

@@ -8,7 +8,9 @@ Contract:
   environment that refuses its arguments (a TypeError or its own ValueError) is a ValueError of
   one line naming the env and the arguments. verifiers' own SIGINT/SIGTERM handlers are not
   installed (they would replace Ray's).
-- `load_envs(cfg) -> list[(Env, weight)]`: `env.mix` when set, else `env.id` with weight 1;
+- `load_envs(cfg) -> list[(Env | V1Env, weight)]`: `env.mix` when set, else `env.id` with weight 1;
+  an env whose module imports `verifiers.v1` is a verifiers 0.4 env (rlray.envs.v1), run by a v1
+  env actor in an interpreter of its own;
   an env whose sampling args bias the sampled distribution is a ValueError naming the env
   and the argument, unless `env.allow_biased_sampling`.
 - rlray.envs.base.Env is the handle (rows, examples); rlray.envs.runner runs rollouts.
@@ -24,10 +26,12 @@ import sys
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+from rlray.envs import v1
 from rlray.envs.base import Env, Example, biased_sampling_args
 from rlray.envs.builtin import BUILTIN
+from rlray.envs.v1 import V1Env
 
-__all__ = ["BUILTIN", "Env", "Example", "load_env", "load_envs", "module_name"]
+__all__ = ["BUILTIN", "Env", "Example", "V1Env", "load_env", "load_envs", "module_name"]
 
 
 def module_name(env_id: str) -> str:
@@ -91,12 +95,21 @@ def load_env(env_id: str, args: dict[str, Any] | None = None, python_path: Seque
     return Env(env_id, vf_env)
 
 
-def load_envs(cfg: Any) -> list[tuple[Env, float]]:
+def load_envs(cfg: Any, described: dict[str, dict] | None = None) -> list[tuple[Env | V1Env, float]]:
+    """`described`: the v1 envs' tasks as a v1 env actor describes them; None: from a subprocess of the
+    v1 interpreter (rlray.envs.v1.describe)."""
     specs = [(s.id, s.args, s.weight) for s in cfg.mix] if cfg.mix else [(cfg.id, cfg.args, 1.0)]
-    out = []
+    add_python_path(cfg.python_path)
+    v1_specs = v1.specs(cfg)
+    if v1_specs and described is None:
+        described = v1.describe(v1.python(cfg), v1_specs, list(cfg.python_path))
+    out: list[tuple[Env | V1Env, float]] = []
     for env_id, args, weight in specs:
         if weight <= 0:
             raise ValueError(f"env.mix: weight of '{env_id}' is {weight}; weights must be > 0")
+        if env_id in v1_specs:
+            out.append((V1Env(env_id, v1_specs[env_id], described[env_id]), float(weight)))
+            continue
         env = load_env(env_id, args, cfg.python_path)
         biased = biased_sampling_args(env.vf.sampling_args)
         if biased and not cfg.allow_biased_sampling:

@@ -59,6 +59,8 @@ import numpy as np
 
 from rlray.envs.base import SERVED_MODEL, Env, biased_sampling_args, prompt_text, render_prompt
 from rlray.envs.instrument import CURRENT, ToolTimeoutError, Tracker, error_kind, instrument_env
+from rlray.envs.v1 import V1Env
+from rlray.envs.v1_rollouts import v1_group
 from rlray.types import Rollout, no_route, overlay_routing
 
 log = logging.getLogger(__name__)
@@ -79,7 +81,8 @@ class EnvRunner:
         self.num_actors, self.run_seed = num_actors, run_seed
         self.counts: Counter[str] = Counter()
         for e in self.envs:
-            instrument_env(e, cfg.tool_timeout_s)
+            if not isinstance(e, V1Env):  # a v1 env runs in its own actor (rlray.envs.v1_rollouts)
+                instrument_env(e, cfg.tool_timeout_s)
 
     # ---- work -------------------------------------------------------------------
     def train_row(self, ticket: int) -> tuple[Env, dict]:
@@ -90,11 +93,28 @@ class EnvRunner:
     def group_seed(self, ticket: int) -> int:
         return ((self.run_seed * 7919 + ticket) * 1024) % 2**31  # + j < 1024 for rollout j
 
-    def uses_fast_path(self, env: Env) -> bool:
+    def uses_fast_path(self, env: Env | V1Env) -> bool:
         return bool(self.cfg.fast_path) and env.fast_path_ok
 
-    async def group(self, env: Env, row: dict, n: int, temperature: float, max_tokens: int,
+    async def group(self, env: Env | V1Env, row: dict, n: int, temperature: float, max_tokens: int,
                     seed: int | None = None) -> list[Rollout]:
+        if isinstance(env, V1Env):
+            rollouts = await v1_group(env, row, n, temperature, max_tokens, seed, base_url=self.server.url,
+                                      server=self.server, version=self.version, eos=self.tokenizer.eos_token_id)
+            self.counts["v1_rollouts"] += n
+        else:
+            rollouts = await self._classic(env, row, n, temperature, max_tokens, seed)
+        for r in rollouts:
+            self.counts["rollouts"] += 1
+            if r.routing is not None:
+                self.counts["routing_missing"] += int((r.routing == no_route(r.routing.dtype)).all((1, 2)).sum())
+            if r.error is not None:
+                self.counts["errors"] += 1
+                self.counts[f"errors/{error_kind(r.error)}"] += 1
+        return rollouts
+
+    async def _classic(self, env: Env, row: dict, n: int, temperature: float, max_tokens: int,
+                       seed: int | None) -> list[Rollout]:
         sampling = self._sampling(env, temperature, max_tokens)
         self._next_client = (self._next_client + 1) % len(self.clients)
         client = self.clients[self._next_client]  # one group, one connection pool (and the prefix cache)
@@ -108,13 +128,6 @@ class EnvRunner:
         await self._score(env, trackers)
         rollouts = [self._rollout(env, row, t) for t in trackers]
         share_prompt_routing(rollouts)
-        for r in rollouts:
-            self.counts["rollouts"] += 1
-            if r.routing is not None:
-                self.counts["routing_missing"] += int((r.routing == no_route(r.routing.dtype)).all((1, 2)).sum())
-            if r.error is not None:
-                self.counts["errors"] += 1
-                self.counts[f"errors/{error_kind(r.error)}"] += 1
         return rollouts
 
     async def evaluate(self, env: Env, indices: list[int], n: int, temperature: float,

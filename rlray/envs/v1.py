@@ -1,0 +1,168 @@
+"""verifiers v1 (0.4) environments, seen from rlray's own interpreter (which runs verifiers 0.3).
+
+Contract:
+- `BUILTIN_V1`: the built-in v1 envs (the modules of rlray/envs/builtin_v1, ids as their file names).
+- `is_v1(env_id, python_path)`: a built-in v1 id, or the env module (found as verifiers 0.4 would import it: `owner/` and
+  `@version` dropped, dashes as underscores, lower case) imports `verifiers.v1`, read from its source
+  without importing it (verifiers 0.4 cannot load here).
+- `spec(env, env_id, args, overrides)`: what a v1 env actor needs to load that env (rlray.envs.v1_worker):
+  module, args, eval_args, harness, runtime, max_turns, role, max_tasks, timeout_s (`env.rollout_timeout_s`), from
+  `env.v1` with a mix entry's `v1` overrides.
+- `python(env)`: the v1 interpreter: `env.v1.python` when set (must exist), else `.venv-v1` of this
+  checkout, created on first use (`make v1env`'s recipe: a venv of this interpreter's Python with
+  `V1_PACKAGES` and this process's Ray version) and reused when present.
+- `describe(python, specs, python_path)`: every v1 env's tasks by split, from a subprocess of the v1
+  interpreter (`python -m rlray.envs.v1_worker describe`); a v1 env that fails to load is a ValueError
+  of one line.
+- `V1Env(id, spec, rows)`: rlray's handle on one v1 env (the `Env` interface: `row`, `example`,
+  `num_examples`); a row is the task's data with `prompt` as chat messages (its system prompt first),
+  `answer` (empty when the task has none) and `example_id`; `actor` is set by the rollout actor to its
+  v1 env actor, which runs the episodes.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import pkgutil
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from rlray.envs.base import Example, prompt_text
+
+REPO = Path(__file__).resolve().parents[2]
+VENV = REPO / ".venv-v1"
+BUILTIN_V1_DIR = Path(__file__).resolve().parent / "builtin_v1"
+BUILTIN_V1 = tuple(sorted(m.name for m in pkgutil.iter_modules([str(BUILTIN_V1_DIR)])))
+V1_PACKAGES = ("verifiers==0.4.0",)
+_IMPORTS_V1 = re.compile(r"^\s*(from\s+verifiers\.v1\b|from\s+verifiers\s+import\s+v1\b|import\s+verifiers\.v1\b)",
+                         re.MULTILINE)
+
+
+def module_of(env_id: str) -> str:
+    return env_id.rsplit("/", 1)[-1].split("@", 1)[0].replace("-", "_").lower()
+
+
+def _source(module: str, python_path: list[str]) -> str | None:
+    for folder in [BUILTIN_V1_DIR, *python_path]:  # built-ins, then env.python_path, as on the v1 env actors
+        for candidate in (Path(folder) / f"{module}.py", Path(folder) / module / "__init__.py"):
+            if candidate.is_file():
+                return candidate.read_text(errors="replace")
+    try:
+        found = importlib.util.find_spec(module)
+    except (ImportError, ValueError):
+        return None
+    if found is None or not found.origin or not found.origin.endswith(".py"):
+        return None
+    return Path(found.origin).read_text(errors="replace")
+
+
+def is_v1(env_id: str, python_path: list[str]) -> bool:
+    if "." in module_of(env_id):
+        return False
+    source = _source(module_of(env_id), list(python_path))
+    return source is not None and _IMPORTS_V1.search(source) is not None
+
+
+def spec(env: Any, env_id: str, args: dict[str, Any], overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+    v1 = {**_plain(env.v1), **dict(overrides or {})}
+    return {"module": module_of(env_id), "args": dict(args or {}), "eval_args": dict(v1.get("eval_args") or {}),
+            "harness": v1.get("harness", "chat"), "runtime": v1.get("runtime", "subprocess"),
+            "max_turns": v1.get("max_turns"), "role": v1.get("role", "agent"),
+            "max_tasks": int(v1.get("max_tasks", 100_000)), "timeout_s": float(env.rollout_timeout_s)}
+
+
+def _plain(section: Any) -> dict[str, Any]:
+    from dataclasses import asdict, is_dataclass
+
+    return asdict(section) if is_dataclass(section) else dict(section)
+
+
+def specs(env: Any) -> dict[str, dict[str, Any]]:
+    """The v1 envs of `env` (its id, or its mix), by env id."""
+    entries = [(s.id, s.args, getattr(s, "v1", None)) for s in env.mix] if env.mix else [(env.id, env.args, None)]
+    return {i: spec(env, i, a, o) for i, a, o in entries if is_v1(i, list(env.python_path))}
+
+
+# ---- the v1 interpreter -------------------------------------------------------------
+def python(env: Any) -> str:
+    given = env.v1.python
+    if given:
+        if not os.access(given, os.X_OK):
+            raise ValueError(f"env.v1.python='{given}' is not an executable; give the python of an environment "
+                             f"with {' '.join(V1_PACKAGES)} and ray, or leave it unset to build {VENV}")
+        return given
+    exe = VENV / "bin" / "python"
+    if not (VENV / ".installed").exists():
+        build_venv()
+    return str(exe)
+
+
+def build_venv() -> None:
+    from importlib.metadata import version
+
+    ray_version = version("ray")  # the v1 interpreter runs Ray's worker of this install: the same Ray
+    started = time.monotonic()
+    print(f"v1 environments: creating {VENV} ({', '.join(V1_PACKAGES)}, ray=={ray_version}) ...", flush=True)
+    steps = [[sys.executable, "-m", "venv", str(VENV)],
+             [str(VENV / "bin" / "pip"), "install", "-q", *V1_PACKAGES, f"ray=={ray_version}"]]
+    for cmd in steps:
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode != 0:
+            tail = " ".join((done.stderr or done.stdout).split())[-300:]
+            raise ValueError(f"creating {VENV} failed ({' '.join(cmd[:3])} ...): {tail}; on a machine without a "
+                             "package index set env.v1.python to a prepared environment")
+    (VENV / ".installed").touch()
+    print(f"v1 environments: {VENV} ready in {time.monotonic() - started:.0f}s", flush=True)
+
+
+def describe(python_exe: str, env_specs: dict[str, dict], python_path: list[str]) -> dict[str, dict[str, list]]:
+    request = json.dumps({"specs": env_specs, "python_path": [str(Path(p).resolve()) for p in python_path]})
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run([python_exe, "-m", "rlray.envs.v1_worker", "describe"], input=request,
+                          capture_output=True, text=True, env=env, timeout=600)
+    if done.returncode != 0:
+        lines = [ln for ln in (done.stderr or "").splitlines() if ln.strip()]
+        raise ValueError(lines[-1] if lines else f"{python_exe} -m rlray.envs.v1_worker failed ({done.returncode})")
+    return json.loads(done.stdout)
+
+
+# ---- the handle -----------------------------------------------------------------------
+def _row(data: dict[str, Any], index: int) -> dict[str, Any]:
+    prompt = data.get("prompt")
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt or [])
+    if data.get("system_prompt"):
+        messages.insert(0, {"role": "system", "content": data["system_prompt"]})
+    answer = data.get("answer", "")
+    return {**data, "prompt": messages, "answer": answer if isinstance(answer, str) else str(answer),
+            "example_id": int(data.get("idx", index))}
+
+
+class V1Env:
+    fast_path_ok = False
+    vf = None  # no classic verifiers environment behind it
+
+    def __init__(self, env_id: str, env_spec: dict[str, Any], rows: dict[str, list[dict]]) -> None:
+        self.id, self.spec = env_id, env_spec
+        self.rows = {split: [_row(d, i) for i, d in enumerate(rs)] for split, rs in rows.items()}
+        self.actor: Any = None
+
+    def num_examples(self, split: str) -> int:
+        if split not in self.rows:
+            raise ValueError(f"split='{split}'; environments have 'train' and 'eval'")
+        if not self.rows[split]:
+            raise ValueError(f"environment '{self.id}' has no examples for split '{split}'")
+        return len(self.rows[split])
+
+    def row(self, split: str, index: int) -> dict[str, Any]:
+        n = self.num_examples(split)
+        return {**self.rows[split][index % n], "v1_index": index % n, "v1_split": split}
+
+    def example(self, split: str, index: int) -> Example:
+        row = self.row(split, index)
+        return Example(index=index, prompt=prompt_text(row["prompt"]), answer=row["answer"], row=row)

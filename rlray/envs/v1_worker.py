@@ -1,0 +1,236 @@
+"""The v1 env actor: verifiers v1 (0.4) environments, run in a Python environment of their own.
+
+verifiers 0.3 (the classic API rlray's rollout actors load) and 0.4 are one distribution and cannot
+share an interpreter, so v1 environments run in this actor, started by rlray.orchestration.cluster
+with the v1 interpreter (Ray's `runtime_env` `py_executable`) on its rollout actor's node. This module
+imports nothing at its top but the standard library: the driver and the rollout actors import it to
+name the actor class; only the v1 interpreter runs its methods.
+
+Contract:
+- `V1EnvActor(specs, python_path, tokenizer, chat_template)`: `specs` maps env id -> spec (rlray.envs.v1.
+  spec: module, args, eval_args, harness, runtime, max_turns, timeout_s); `tokenizer` is the served model's
+  tokenizer folder and `chat_template` the template the engine serves with (the renderer renders
+  prompts with it, so the ids the TrainClient sends are the ids the engine's chat route would build).
+- `describe() -> {env id: {"train": rows, "eval": rows}}`: every task's data (`TaskData.model_dump`, JSON
+  types) of the taskset loaded with `args` (train) and with `args` + `eval_args` (eval).
+- `group(env_id, split, index, base_url, model, sampling) -> list[dict]`: one episode per entry of
+  `sampling` (each its own sampling args, a seed among them) of task `index` (modulo the split's size),
+  run with verifiers' own `Env.run_slot` and a `TrainClient` on the rollout actor's endpoint `base_url`.
+  Each result: `session` (the trace id, which the TrainClient sends as `X-Session-ID` on every generate
+  request), `ids`, `mask` (`sampled_mask`), `logprobs` of the trainable trace's branch, `reward`, `parts`,
+  `error` ("<Kind>: ..." or None), `stop`, `turns`, `finish`, `text`. Never raises for an episode: a
+  trace or episode that is not ok, a timeout, a second trainable branch become the error.
+- `python -m rlray.envs.v1_worker describe` reads `{"specs": ..., "python_path": ...}` as JSON on stdin and
+  prints `describe()`'s JSON (the driver's check of a v1 env before Ray starts), or one error line and exit 1.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import json
+import sys
+from typing import Any
+
+API_KEY_VAR = "RLRAY_V1_API_KEY"  # unset: the TrainClient sends "EMPTY" (and never reads ~/.prime)
+
+
+def _import_path(paths: list[str]) -> None:
+    from rlray.envs.v1 import BUILTIN_V1_DIR
+
+    for p in reversed([str(BUILTIN_V1_DIR), *paths]):
+        if p not in sys.path:
+            sys.path.insert(0, p)
+
+
+def _register_harness() -> None:
+    from rlray.envs import v1_chat
+
+    sys.modules.setdefault(v1_chat.HARNESS_ID, v1_chat)  # verifiers imports harness ids as top-level modules
+
+
+def adapt_renderers() -> None:
+    """vLLM 0.32's generate route returns each sampled token's logprob as `{"token_id": N, "logprob": x}`;
+    renderers 0.1 (verifiers 0.4's TrainClient) reads `{"token": "token_id:N", ...}`, the shape of later vLLMs.
+    Its parser (`renderers.client._parse_completion_logprobs`, private: pinned by tests/unit/test_v1_envs.py)
+    gets entries in the shape it reads; entries already in it pass unchanged."""
+    import renderers.client as rc
+
+    original = rc._parse_completion_logprobs
+    if getattr(original, "rlray_adapted", False):
+        return
+
+    def parse(choice: Any, completion_ids: list[int]) -> list[float]:
+        logprobs = choice.get("logprobs") if isinstance(choice, dict) else None
+        if isinstance(logprobs, dict) and isinstance(logprobs.get("content"), list):
+            content = [{**e, "token": f"token_id:{e['token_id']}"}
+                       if isinstance(e, dict) and "token" not in e and "token_id" in e else e
+                       for e in logprobs["content"]]
+            choice = {**choice, "logprobs": {**logprobs, "content": content}}
+        return original(choice, completion_ids)
+
+    parse.rlray_adapted = True  # type: ignore[attr-defined]
+    rc._parse_completion_logprobs = parse
+
+
+def _config(spec: dict[str, Any], split: str, has_split: bool = False) -> dict[str, Any]:
+    """verifiers' env config of `spec` for `split`; `has_split`: the taskset config has a `split` field,
+    set to "eval" for the eval split unless env.args / env.v1.eval_args set it."""
+    given = {**spec["args"], **(spec["eval_args"] if split == "eval" else {})}
+    args = {"split": "eval", **given} if split == "eval" and has_split and "split" not in given else given
+    harness = "rlray_chat" if spec["harness"] == "chat" else spec["harness"]
+    agent: dict[str, Any] = {"harness": {"id": harness}, "runtime": {"type": spec["runtime"]},
+                             "timeout": {"rollout": spec["timeout_s"]}}
+    if spec.get("max_turns"):
+        agent["max_turns"] = spec["max_turns"]
+    return {"taskset": {"id": spec["module"], **args}, spec.get("role", "agent"): agent,
+            "timeout": {"episode": spec["timeout_s"]}}
+
+
+def load(spec: dict[str, Any], split: str) -> Any:
+    import verifiers.v1 as vf
+
+    _register_harness()
+    config = vf.resolve_env_config(_config(spec, "train"))
+    if split == "eval":
+        has_split = "split" in type(config.taskset).model_fields
+        config = vf.resolve_env_config(_config(spec, "eval", has_split))
+    return vf.load_environment(config)
+
+
+def tasks(env: Any, spec: dict[str, Any]) -> list[Any]:
+    return list(itertools.islice(env.taskset, spec["max_tasks"]))
+
+
+def rows(env: Any, spec: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each task's data, fields at their defaults left out (a taskset's rows cross a pipe and Ray)."""
+    return [{**t.data.model_dump(mode="json", exclude_defaults=True), "idx": t.data.idx} for t in tasks(env, spec)]
+
+
+def describe_all(specs: dict[str, dict], python_path: list[str]) -> dict[str, dict[str, list]]:
+    _import_path(python_path)
+    out = {}
+    for env_id, spec in specs.items():
+        try:
+            out[env_id] = {split: rows(load(spec, split), spec) for split in ("train", "eval")}
+        except Exception as e:
+            raise ValueError(f"v1 env '{env_id}' (module {spec['module']}) failed to load: "
+                             f"{type(e).__name__}: {' '.join(str(e).split())[:400]}") from e
+        if not out[env_id]["train"]:
+            raise ValueError(f"v1 env '{env_id}' has no tasks (env.args={spec['args']})")
+    return out
+
+
+def _kind(error: Any) -> str:
+    if error.type == "TaskError" and "scoring" in (error.message or ""):
+        return "RewardError"
+    return error.type or "EnvError"
+
+
+def _result(episode: Any) -> dict[str, Any]:
+    """One rollout record of an episode: its trainable trace's one branch."""
+    errors = [f"EnvError: {e.type}: {e.message}" for e in episode.errors]
+    traces = [t for t in episode.traces if t.agent.trainable]
+    out = _result_empty()
+    if len(traces) != 1:
+        errors.append(f"EnvError: the episode has {len(traces)} trainable traces; rlray trains one per rollout")
+    if traces:
+        t = traces[0]
+        errors += [f"{_kind(e)}: {' '.join((e.message or '').split())[:300]}" for e in t.errors]
+        if t.is_timeout:
+            errors.append(f"RolloutTimeout: {t.stop_condition} (env.rollout_timeout_s)")
+        branches = [b for b in t.branches if b.trainable]
+        if len(branches) > 1:
+            errors.append(f"BranchError: the trace has {len(branches)} trainable branches (the conversation's "
+                          "re-rendered prefix changed); rlray trains one sequence per rollout")
+        if branches:
+            b = branches[0]
+            out.update(ids=list(b.token_ids), mask=[int(m) for m in b.sampled_mask],
+                       logprobs=[float(x) for x in b.logprobs])
+        parts = {k: float(r.score) for k, r in t.rewards.items() if r is not None and r.score is not None}
+        parts.update({k: float(v) for k, v in t.metrics.items() if isinstance(v, (int, float))})
+        out.update(session=t.id, reward=float(t.reward or 0.0), parts=parts, stop=t.stop_condition or "",
+                   turns=int(t.num_turns), text=t.last_reply or "",
+                   finish=(t.calls[-1].finish_reason or "") if t.calls else "")
+    out["error"] = "; ".join(dict.fromkeys(errors)) if errors else None
+    return out
+
+
+class V1EnvActor:
+    def __init__(self, specs: dict[str, dict], python_path: list[str], tokenizer: str, chat_template: str) -> None:
+        _import_path(python_path)
+        adapt_renderers()
+        self.specs, self.python_path = specs, python_path
+        self.tokenizer, self.chat_template = tokenizer, chat_template
+        self.envs: dict[tuple[str, str], Any] = {}
+        self.tasks: dict[tuple[str, str], list] = {}
+        self.serving = contextlib.AsyncExitStack()
+        self.loading = asyncio.Lock()
+
+    async def describe(self) -> dict[str, dict[str, list]]:
+        return describe_all(self.specs, self.python_path)
+
+    async def _env(self, env_id: str, split: str) -> tuple[Any, list]:
+        key = (env_id, split)
+        async with self.loading:
+            if key not in self.envs:
+                env = load(self.specs[env_id], split)
+                await self.serving.enter_async_context(env.serving())  # interception servers on this loop, kept
+                self.envs[key], self.tasks[key] = env, tasks(env, self.specs[env_id])
+        return self.envs[key], self.tasks[key]
+
+    def _context(self, base_url: str, model: str, sampling: dict[str, Any]) -> Any:
+        import verifiers.v1 as vf
+        from renderers.configs import CustomRendererConfig
+
+        from rlray.envs.v1_render import IMPORT_PATH
+
+        renderer = CustomRendererConfig(import_path=IMPORT_PATH, chat_template=self.chat_template)
+        client = vf.TrainClientConfig(base_url=base_url, api_key_var=API_KEY_VAR, renderer_model_name=self.tokenizer,
+                                      renderer=renderer)
+        return vf.ModelContext(model=model, client=client, sampling=vf.SamplingConfig(**sampling))
+
+    async def group(self, env_id: str, split: str, index: int, base_url: str, model: str,
+                    sampling: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        env, listed = await self._env(env_id, split)
+        task = listed[index % len(listed)]
+        slots = env.slots(task, len(sampling))
+        limit = self.specs[env_id]["timeout_s"] + 30.0  # verifiers' own timeouts first; this one if they hang
+
+        async def one(slot: Any, args: dict[str, Any]) -> dict[str, Any]:
+            try:
+                return _result(await asyncio.wait_for(env.run_slot(slot, self._context(base_url, model, args)), limit))
+            except TimeoutError:
+                return {**_result_empty(), "error": f"RolloutTimeout: the episode ran past {limit:.0f}s"}
+            except Exception as e:
+                return {**_result_empty(), "error": f"EnvError: {type(e).__name__}: {' '.join(str(e).split())[:300]}"}
+
+        return list(await asyncio.gather(*(one(s, a) for s, a in zip(slots, sampling))))
+
+    async def pid(self) -> int:
+        import os
+
+        return os.getpid()
+
+
+def _result_empty() -> dict[str, Any]:
+    return {"session": None, "ids": [], "mask": [], "logprobs": [], "reward": 0.0, "parts": {}, "stop": "",
+            "turns": 0, "finish": "", "text": ""}
+
+
+def main(argv: list[str]) -> int:
+    if argv[1:] != ["describe"]:
+        print("usage: python -m rlray.envs.v1_worker describe  (JSON on stdin)", file=sys.stderr)
+        return 2
+    request = json.load(sys.stdin)
+    try:
+        print(json.dumps(describe_all(request["specs"], request["python_path"])))
+    except ValueError as e:
+        print(e, file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
