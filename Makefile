@@ -8,7 +8,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 ARGS ?=
 
-.PHONY: run test venv clean
+.PHONY: run test venv v1env clean
 
 $(BIN)/.installed: pyproject.toml requirements/verifiers.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -25,11 +25,18 @@ $(BIN)/.installed: pyproject.toml requirements/verifiers.txt
 
 venv: $(BIN)/.installed
 
+# verifiers v1 (0.4) environments run in an interpreter of their own (rlray/envs/v1.py builds it: the
+# same Python and Ray, verifiers 0.4); `make run` builds it only when the run has a v1 env.
+.venv-v1/.installed: $(BIN)/.installed
+	$(BIN)/python -c "from rlray.envs import v1; v1.build_venv()"
+
+v1env: .venv-v1/.installed
+
 run: venv
 	$(BIN)/python -m rlray.launch $(ARGS)
 
-test: venv
+test: venv v1env
 	$(BIN)/python -m pytest -x -q -rs --durations=15 tests $(ARGS)
 
 clean:
-	rm -rf $(VENV)
+	rm -rf $(VENV) .venv-v1

@@ -39,7 +39,7 @@ REPO = Path(__file__).resolve().parents[2]
 VENV = REPO / ".venv-v1"
 BUILTIN_V1_DIR = Path(__file__).resolve().parent / "builtin_v1"
 BUILTIN_V1 = tuple(sorted(m.name for m in pkgutil.iter_modules([str(BUILTIN_V1_DIR)])))
-V1_PACKAGES = ("verifiers==0.4.0",)
+V1_PACKAGES = ("verifiers==0.4.0", "renderers==0.1.12")  # rlray.envs.v1_worker.adapt_renderers pins the second
 _IMPORTS_V1 = re.compile(r"^\s*(from\s+verifiers\.v1\b|from\s+verifiers\s+import\s+v1\b|import\s+verifiers\.v1\b)",
                          re.MULTILINE)
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import httpx
 import verifiers.v1 as vf
 from openai import AsyncOpenAI
 from verifiers.v1.dialects.chat import message_to_wire
@@ -41,7 +42,9 @@ class ChatHarness(vf.Harness[ChatHarnessConfig]):
             messages.append({"role": "user", "content": prompt})
         elif prompt is not None:
             messages.extend(message_to_wire(m) for m in prompt)
-        client = AsyncOpenAI(base_url=endpoint, api_key=secret, max_retries=0)  # the interception maps failures
+        # the interception maps failures; it answers from this loop, busy with every other episode: no
+        # timeout of the client's own (the episode's timeouts, env.rollout_timeout_s, bound the turn)
+        client = AsyncOpenAI(base_url=endpoint, api_key=secret, max_retries=0, timeout=httpx.Timeout(None))
         try:
             reply = await client.chat.completions.create(model=ctx.model, messages=messages)
         finally:

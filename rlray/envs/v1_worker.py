@@ -96,29 +96,52 @@ def load(spec: dict[str, Any], split: str) -> Any:
     if split == "eval":
         has_split = "split" in type(config.taskset).model_fields
         config = vf.resolve_env_config(_config(spec, "eval", has_split))
-    return vf.load_environment(config)
+    env = vf.load_environment(config)
+    _check_pairing(env, config, spec)
+    return env
+
+
+def _check_pairing(env: Any, config: Any, spec: dict[str, Any]) -> None:
+    """verifiers' own check of a harness against its runtime (a container harness on the subprocess
+    runtime, ...), which it makes only when an episode starts: made at load, so it is one line before
+    training."""
+    import verifiers.v1 as vf
+    from verifiers.v1.utils.compile import validate_pairing
+
+    agent = getattr(config, spec["role"], None)
+    if not isinstance(agent, vf.AgentConfig):
+        raise ValueError(f"the env has no agent role '{spec['role']}' (env.v1.role)")
+    if agent.harness is not None:
+        validate_pairing(vf.load_harness(agent.harness), type(env.taskset).task_type(), agent.runtime)
 
 
 def tasks(env: Any, spec: dict[str, Any]) -> list[Any]:
     return list(itertools.islice(env.taskset, spec["max_tasks"]))
 
 
-def rows(env: Any, spec: dict[str, Any]) -> list[dict[str, Any]]:
-    """Each task's data, fields at their defaults left out (a taskset's rows cross a pipe and Ray)."""
-    return [{**t.data.model_dump(mode="json", exclude_defaults=True), "idx": t.data.idx} for t in tasks(env, spec)]
-
-
-def describe_all(specs: dict[str, dict], python_path: list[str]) -> dict[str, dict[str, list]]:
+def load_all(specs: dict[str, dict], python_path: list[str]) -> dict[tuple[str, str], tuple[Any, list]]:
+    """(env, its tasks) of every env and split; a v1 env that fails to load is a ValueError of one line."""
     _import_path(python_path)
     out = {}
     for env_id, spec in specs.items():
         try:
-            out[env_id] = {split: rows(load(spec, split), spec) for split in ("train", "eval")}
+            for split in ("train", "eval"):
+                env = load(spec, split)
+                out[env_id, split] = env, tasks(env, spec)
         except Exception as e:
             raise ValueError(f"v1 env '{env_id}' (module {spec['module']}) failed to load: "
                              f"{type(e).__name__}: {' '.join(str(e).split())[:400]}") from e
-        if not out[env_id]["train"]:
+        if not out[env_id, "train"][1]:
             raise ValueError(f"v1 env '{env_id}' has no tasks (env.args={spec['args']})")
+    return out
+
+
+def describe_all(loaded: dict[tuple[str, str], tuple[Any, list]]) -> dict[str, dict[str, list]]:
+    """Each task's data, fields at their defaults left out (a taskset's rows cross a pipe and Ray)."""
+    out: dict[str, dict[str, list]] = {}
+    for (env_id, split), (_, listed) in loaded.items():
+        out.setdefault(env_id, {})[split] = [{**t.data.model_dump(mode="json", exclude_defaults=True),
+                                              "idx": t.data.idx} for t in listed]
     return out
 
 
@@ -163,22 +186,24 @@ class V1EnvActor:
         adapt_renderers()
         self.specs, self.python_path = specs, python_path
         self.tokenizer, self.chat_template = tokenizer, chat_template
-        self.envs: dict[tuple[str, str], Any] = {}
-        self.tasks: dict[tuple[str, str], list] = {}
+        self.loaded: dict[tuple[str, str], tuple[Any, list]] = {}
         self.serving = contextlib.AsyncExitStack()
         self.loading = asyncio.Lock()
 
     async def describe(self) -> dict[str, dict[str, list]]:
-        return describe_all(self.specs, self.python_path)
+        """Loads every env (once: the episodes run in them) and returns their tasks."""
+        await self._load()
+        return describe_all(self.loaded)
 
-    async def _env(self, env_id: str, split: str) -> tuple[Any, list]:
-        key = (env_id, split)
+    async def _load(self) -> None:
+        """Every env and split, loaded off the event loop (its interception servers must keep answering),
+        each served (interception servers on this loop) until the actor ends."""
         async with self.loading:
-            if key not in self.envs:
-                env = load(self.specs[env_id], split)
-                await self.serving.enter_async_context(env.serving())  # interception servers on this loop, kept
-                self.envs[key], self.tasks[key] = env, tasks(env, self.specs[env_id])
-        return self.envs[key], self.tasks[key]
+            if not self.loaded:
+                loaded = await asyncio.to_thread(load_all, self.specs, self.python_path)
+                for env, _ in loaded.values():
+                    await self.serving.enter_async_context(env.serving())
+                self.loaded = loaded
 
     def _context(self, base_url: str, model: str, sampling: dict[str, Any]) -> Any:
         import verifiers.v1 as vf
@@ -193,7 +218,8 @@ class V1EnvActor:
 
     async def group(self, env_id: str, split: str, index: int, base_url: str, model: str,
                     sampling: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        env, listed = await self._env(env_id, split)
+        await self._load()  # a restarted actor loads again
+        env, listed = self.loaded[env_id, split]
         task = listed[index % len(listed)]
         slots = env.slots(task, len(sampling))
         limit = self.specs[env_id]["timeout_s"] + 30.0  # verifiers' own timeouts first; this one if they hang
@@ -225,7 +251,7 @@ def main(argv: list[str]) -> int:
         return 2
     request = json.load(sys.stdin)
     try:
-        print(json.dumps(describe_all(request["specs"], request["python_path"])))
+        print(json.dumps(describe_all(load_all(request["specs"], request["python_path"]))))
     except ValueError as e:
         print(e, file=sys.stderr)
         return 1

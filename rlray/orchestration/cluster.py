@@ -329,28 +329,28 @@ def spawn_rollout(c: Config, index: int, pg: PlacementGroup, bundle: int, incarn
                                                              placement_group_capture_child_tasks=bool(env)),
         **({"runtime_env": {"env_vars": env}} if env else {}),
     ).remote(index, r.num_actors, c.model, r, c.env, c.run.seed + 1000 * incarnation, c.run.seed, weight_backend(c),
-             c.trainer.lora.rank, colocated, v1_spawner(c.env))
+             c.trainer.lora.rank, colocated, v1_spawner(c.env, actor_name("v1env", index, incarnation)))
 
 
-def v1_spawner(env: EnvConfig) -> Any:
-    """What a rollout actor calls to start its v1 env actor, or None without v1 envs (rlray.envs.v1)."""
+def v1_spawner(env: EnvConfig, name: str | None = None) -> Any:
+    """What a rollout actor calls to start its v1 env actor (named `name`), or None without v1 envs."""
     if not v1.specs(env):
         return None
-    return functools.partial(spawn_v1_env, python=v1.python(env), python_path=list(env.python_path))
+    return functools.partial(spawn_v1_env, python=v1.python(env), python_path=list(env.python_path), name=name)
 
 
 def spawn_v1_env(specs: dict[str, dict], tokenizer: str, chat_template: str, *, python: str,
-                 python_path: list[str]) -> Any:
+                 python_path: list[str], name: str | None = None) -> Any:
     """Called inside a rollout actor: its v1 env actor (rlray.envs.v1_worker), on its node, run by the v1
     interpreter `python` (runtime_env `py_executable`), owned by the rollout actor (it dies with it) and
-    restarted by Ray when its process dies."""
+    restarted by Ray when its process dies. `v1env-<i>` beside `rollout-<i>`."""
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     from rlray.envs.v1_worker import V1EnvActor
 
     node = ray.get_runtime_context().get_node_id()
     return ray.remote(V1EnvActor).options(
-        num_cpus=0, max_restarts=-1, max_task_retries=0, max_concurrency=1000,
+        name=name, num_cpus=0, max_restarts=-1, max_task_retries=0, max_concurrency=1000,
         runtime_env={"py_executable": python},
         scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
     ).remote(specs, python_path, tokenizer, chat_template)
