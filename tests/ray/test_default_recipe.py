@@ -90,7 +90,7 @@ def test_distillation_from_the_default_runs_export(default_run, tmp_path) -> Non
     rl = [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if r["stage"] == "rl"]
     kl = [r["teacher_kl"] for r in rl]
     assert len(kl) == 40 and all(math.isfinite(k) and k > 0 for k in kl), kl  # every step scored
-    # measured: the last ten steps' mean 0.56-0.72x the first ten's (the lower on a quiet machine)
+    # the last ten steps' mean was 0.72x the first ten's in a fresh-clone CI on a machine loaded by other work
     assert sum(kl[-10:]) / 10 < 0.8 * sum(kl[:10]) / 10, kl
     assert rl[0]["teacher_restarts"] == 0 and rl[-1]["teacher_restarts"] == 1 and "teacher_failed_groups" in rl[-1]
     assert all(r["teacher_tokens_per_s"] >= 0 for r in rl) and sum(r["teacher_tokens_per_s"] for r in rl) > 0
