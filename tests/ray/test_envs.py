@@ -6,7 +6,10 @@
   run goes on, the test calls the rollout actor's OpenAI endpoint with the `openai` client.
 - A multi-turn tool environment whose tool hangs past `env.tool_timeout_s` trains end to end;
   the timed-out rollouts are counted.
-- A multi-turn game (guess_number) trains with no rollout flagged TokenMismatch.
+- A mix of a classic multi-turn game (guess_number) and two verifiers v1 (0.4) environments written
+  outside rlray (a taskset whose reward raises on one task in four, a multi-turn Env with feedback turns)
+  trains by id with no rollout flagged TokenMismatch; the raising reward and a SIGKILLed v1 env actor
+  cost only their rollouts, which are counted.
 """
 
 from __future__ import annotations
@@ -181,18 +184,117 @@ def test_tool_env_with_a_hanging_tool_trains_end_to_end(ray_cluster, tmp_path) -
     assert time.time() - t0 < 600
 
 
-def test_multi_turn_game_trains_on_every_rollout(ray_cluster, tmp_path) -> None:
-    """guess_number, four turns of higher/lower: every rollout is token-exact (none flagged), so every
-    model turn carries loss; long turns let the random model end most of its turns with eos."""
-    c = tiny_config(tmp_path, "env.args={max_turns:4}", env={"id": "guess_number"},
-                    rollout={"max_tokens": 48, "max_model_len": 256}, rl={"steps": 2},
+V1_TASKSET = '''
+"""Reverse a word; the reward raises on the tasks whose index is 2 mod 4."""
+import verifiers.v1 as vf
+
+WORDS = ["abc", "hello", "ray", "vllm", "token", "mask", "group", "actor"]
+
+
+class WordData(vf.TaskData):
+    answer: str
+
+
+class WordTask(vf.Task[WordData, vf.State, vf.TaskConfig]):
+    @vf.reward
+    async def overlap(self, task: WordData, trace: vf.Trace) -> float:
+        if task.idx % 4 == 2:
+            raise ValueError("injected reward failure")
+        return sum(a == b for a, b in zip(trace.last_reply, task.answer)) / len(task.answer)
+
+
+class WordTaskset(vf.Taskset[WordTask, vf.TasksetConfig]):
+    def load(self):
+        for i in range(32):
+            w = WORDS[i % len(WORDS)]
+            yield WordTask(WordData(id=str(i), prompt=f"rev:{w}=", answer=w[::-1]), self.config.task)
+
+
+__all__ = ["WordData", "WordTask", "WordTaskset"]
+'''
+
+V1_FEEDBACK_ENV = '''
+"""Reverse a word; a wrong reply gets "no, again" (a feedback turn), three model turns at most."""
+import verifiers.v1 as vf
+
+
+class WordData(vf.TaskData):
+    answer: str
+
+
+class WordTask(vf.Task[WordData, vf.State, vf.TaskConfig]):
+    @vf.reward
+    async def solved(self, task: WordData, trace: vf.Trace) -> float:
+        return float(trace.last_reply == task.answer)
+
+
+class WordTaskset(vf.Taskset[WordTask, vf.TasksetConfig]):
+    def load(self):
+        for w in ["abc", "hello", "ray", "vllm"]:
+            yield WordTask(WordData(id=w, prompt=f"rev:{w}=", answer=w[::-1]), self.config.task)
+
+
+class FeedbackConfig(vf.EnvConfig):
+    agent: vf.AgentConfig = vf.AgentConfig()
+
+
+class FeedbackEnv(vf.Env[FeedbackConfig]):
+    async def run(self, task, agents) -> None:
+        async with agents.agent.interaction(task) as it:
+            seg, turns = await it.turn(), 1
+            while not seg.terminated and seg.last_reply != task.data.answer and turns < 3:
+                seg, turns = await it.turn("no, again"), turns + 1
+
+
+__all__ = ["FeedbackConfig", "FeedbackEnv", "WordData", "WordTask", "WordTaskset"]
+'''
+
+
+def kill_v1_env_actor_after_rl_step(run_dir: str, step: int, run_thread: threading.Thread) -> None:
+    """SIGKILL the process of rollout-0's v1 env actor once RL step `step` is in the metrics."""
+    import os
+    import signal
+
+    path = Path(run_dir) / "metrics.jsonl"
+    while run_thread.is_alive():
+        if path.exists() and any(r.get("stage") == "rl" and r["step"] >= step for r in records(run_dir, path.name)):
+            pid = ray.get(ray.get_actor("v1env-0").pid.remote(), timeout=60)
+            os.kill(pid, signal.SIGKILL)
+            return
+        time.sleep(0.2)
+    raise AssertionError("the run ended before the v1 env actor could be killed (its error is above)")
+
+
+def test_classic_and_v1_envs_train_together_by_id_with_failures_counted(ray_cluster, tmp_path) -> None:
+    """guess_number (classic, four turns of higher/lower), a v1 taskset and a v1 multi-turn Env in one mix:
+    every rollout is token-exact (none flagged), so every model turn carries loss; the v1 reward that raises
+    and the v1 env actor killed after RL step 1 (Ray restarts it) give counted errors, not a failed run."""
+    folder = write_module(tmp_path / "envs", "rlray_test_words_v1", V1_TASKSET)
+    write_module(tmp_path / "envs", "rlray_test_feedback_v1", V1_FEEDBACK_ENV)
+    mix = "env.mix=[{id:guess_number,args:{max_turns:4}},{id:rlray_test_words_v1},{id:rlray_test_feedback_v1}]"
+    c = tiny_config(tmp_path, mix, env={"python_path": [folder]},
+                    rollout={"max_tokens": 48, "max_model_len": 256}, rl={"steps": 5},
                     eval={"num_examples": 4}, algo={"loss": LOSSES["game"]})
     c.stages = ["rl"]
-    run(c)
+    out: dict = {}
+    thread = threading.Thread(target=lambda: out.update(summary=run(c)), daemon=True)
+    thread.start()
+    kill_v1_env_actor_after_rl_step(c.run.dir, 1, thread)
+    thread.join(timeout=900)
+    assert not thread.is_alive() and "summary" in out
     rl = records(c.run.dir, "metrics.jsonl", "rl")
-    assert [x["step"] for x in rl] == list(range(2))
-    assert all(x["token_mismatch_frac"] == 0.0 and x["env/guess_number/token_mismatch_frac"] == 0.0 for x in rl)
-    assert all(x.get("errors/TokenMismatch", 0) == 0 for x in rl)
-    assert max(x["env/guess_number/turns_mean"] for x in rl) > 1.2
-    assert all(x["env/guess_number/tokens_mean"] > 0 for x in rl)
+    assert [x["step"] for x in rl] == list(range(5))
+    names = ("guess_number", "rlray_test_words_v1", "rlray_test_feedback_v1")
+    assert all(x["token_mismatch_frac"] == 0.0 and x.get("errors/TokenMismatch", 0) == 0 for x in rl)
+    for name in names:
+        seen = [x for x in rl if f"env/{name}/tokens_mean" in x]
+        assert seen and all(x[f"env/{name}/token_mismatch_frac"] == 0.0 for x in seen)
+    assert max(x["env/guess_number/turns_mean"] for x in rl if "env/guess_number/turns_mean" in x) > 1.2
+    assert max(x["env/rlray_test_feedback_v1/turns_mean"] for x in rl if "env/rlray_test_feedback_v1/turns_mean" in x) > 1.2
+    assert rl[-1].get("errors/RewardError", 0) > 0  # the v1 reward that raises, counted by the buffer
+    assert rl[-1].get("errors/EnvActorError", 0) > 0, rl[-1]  # the rollouts the killed v1 env actor had
+    v1_tokens = [x.get(f"env/{n}/tokens_mean", 0) for x in rl[-2:] for n in names[1:]]
+    assert sum(v1_tokens) > 0  # the restarted v1 env actor runs the episodes after the kill
     assert_loss_trained(c, rl, LOSSES["game"])
+    evals = records(c.run.dir, "eval_results.jsonl", "rl-end")
+    assert {e["env"] for e in evals} == set(names)
