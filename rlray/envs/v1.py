@@ -12,8 +12,8 @@ Contract:
   checkout, created on first use (`make v1env`'s recipe: a venv of this interpreter's Python with
   `V1_PACKAGES` and this process's Ray version) and reused when present.
 - `describe(python, specs, python_path)`: every v1 env's tasks by split, from a subprocess of the v1
-  interpreter (`python -m rlray.envs.v1_worker describe`); a v1 env that fails to load is a ValueError
-  of one line.
+  interpreter (`python -m rlray.envs.v1_worker describe`, once per process and request); a v1 env that
+  fails to load is a ValueError of one line.
 - `V1Env(id, spec, rows)`: rlray's handle on one v1 env (the `Env` interface: `row`, `example`,
   `num_examples`); a row is the task's data with `prompt` as chat messages (its system prompt first),
   `answer` (empty when the task has none) and `example_id`; `actor` is set by the rollout actor to its
@@ -121,8 +121,17 @@ def build_venv() -> None:
     print(f"v1 environments: {VENV} ready in {time.monotonic() - started:.0f}s", flush=True)
 
 
+_DESCRIBED: dict[str, dict[str, dict[str, list]]] = {}  # the launch checks and SFT describe the same envs
+
+
 def describe(python_exe: str, env_specs: dict[str, dict], python_path: list[str]) -> dict[str, dict[str, list]]:
     request = json.dumps({"specs": env_specs, "python_path": [str(Path(p).resolve()) for p in python_path]})
+    if (python_exe + request) not in _DESCRIBED:
+        _DESCRIBED[python_exe + request] = _describe(python_exe, request)
+    return _DESCRIBED[python_exe + request]
+
+
+def _describe(python_exe: str, request: str) -> dict[str, dict[str, list]]:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     done = subprocess.run([python_exe, "-m", "rlray.envs.v1_worker", "describe"], input=request,
                           capture_output=True, text=True, env=env, timeout=600)

@@ -11,8 +11,11 @@ Contract:
   spec: module, args, eval_args, harness, runtime, max_turns, timeout_s); `tokenizer` is the served model's
   tokenizer folder and `chat_template` the template the engine serves with (the renderer renders
   prompts with it, so the ids the TrainClient sends are the ids the engine's chat route would build).
-- `describe() -> {env id: {"train": rows, "eval": rows}}`: every task's data (`TaskData.model_dump`, JSON
-  types) of the taskset loaded with `args` (train) and with `args` + `eval_args` (eval).
+- `describe() -> {env id: {"train": rows, "eval": rows}}`: loads every env once (off the event loop, whose
+  interception servers answer the harnesses; a harness its runtime cannot host fails here, as verifiers'
+  own `validate_pairing` says) and returns every task's data (`TaskData.model_dump`, JSON types, fields
+  at their defaults left out, at most `max_tasks`) of the taskset loaded with `args` (train) and with
+  `args` + `eval_args` (eval; `split: eval` too when the taskset config has a `split` field).
 - `group(env_id, split, index, base_url, model, sampling) -> list[dict]`: one episode per entry of
   `sampling` (each its own sampling args, a seed among them) of task `index` (modulo the split's size),
   run with verifiers' own `Env.run_slot` and a `TrainClient` on the rollout actor's endpoint `base_url`.

@@ -14,7 +14,8 @@ rollout actors (bundle sizes from the config, on nodes with `*.node_labels`), or
 (with a `CONTROL` concurrency group beside the default one),
 `rollout-i` and `buffer` from the plain classes, and has trainer rank 0 serve the trainer group's
 store (`Handles.master`); `spawn_rollout` (re)creates one rollout
-actor in its bundle (`rollout_site`). An elastic pool (`rollout.max_actors`, `elastic(config)`) gives every
+actor in its bundle (`rollout_site`); with verifiers v1 envs it hands the actor `v1_spawner(env)`, with which
+the actor starts its v1 env actor (`spawn_v1_env`: its node, the v1 interpreter as `py_executable`). An elastic pool (`rollout.max_actors`, `elastic(config)`) gives every
 engine a placement group of its own (`rlray-rollout-<slot>`, `Handles.engine_pgs`): `request_engine_pg`
 asks for one more without waiting (a demand an autoscaler sees), `placed` says whether it is, `release_pg`
 gives one back, `node_alive` says whether an engine's node is still in the cluster. With a distillation teacher (`teacher.name`), `spawn` also creates the

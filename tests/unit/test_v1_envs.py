@@ -133,11 +133,18 @@ def test_the_v1_interpreter_describes_tasksets_by_split_and_one_that_fails_in_on
     from rlray.envs.sft import SFTData
     from rlray.data.tokenizer import char_tokenizer
 
+    from rlray.data.tokenizer import CHARS
+
     folder = write(tmp_path, "rlray_test_words_v1", V1_TASKSET)
-    cfg = EnvConfig(mix=[EnvSpec("rlray_test_words_v1"), EnvSpec("reverse_text", {"num_train": 8, "num_eval": 4})],
+    cfg = EnvConfig(mix=[EnvSpec("rlray_test_words_v1"), EnvSpec("reverse_text", {"num_train": 8, "num_eval": 4}),
+                         EnvSpec("reverse_text_v1", {"num": 16}), EnvSpec("reverse_chain_v1", {"num": 16})],
                     python_path=[folder])
-    (env, weight), (classic, _) = load_envs(cfg)
+    (env, weight), (classic, _), *builtins = load_envs(cfg)
     assert isinstance(env, v1.V1Env) and weight == 1.0 and not isinstance(classic, v1.V1Env)
+    for e, _ in builtins:  # the built-in v1 envs: prompts the tiny tokenizer spells, disjoint splits
+        train, held_out = (e.example(split, i) for split, i in (("train", 3), ("eval", 3)))
+        assert e.num_examples("train") == 16 and set(train.prompt + train.answer) <= set(CHARS)
+        assert train.prompt != held_out.prompt and train.answer == train.prompt[4:-1][::-1]
     assert env.num_examples("train") == 4 and env.num_examples("eval") == 2  # eval: split=eval, set by rlray
     row = env.row("eval", 3)
     assert row["prompt"] == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "rev:mask="}]
@@ -207,3 +214,25 @@ def test_the_v1_interpreter_has_the_renderers_api_rlray_adapts(tmp_path) -> None
     assert out["first"] == first
     new = render_prompt(tok, [{"role": "user", "content": "rev:xy="}], PLAIN_CHAT_TEMPLATE)[1:]  # no second bos
     assert out["bridged"] == [*first, *completion, *new] and not any(out["mask"])
+
+
+def test_a_sessions_later_turns_sample_with_their_own_seed_within_the_context_left() -> None:
+    """The server's per-session turn rule (rlray.actors.server): turn k of an `X-Session-ID` samples with
+    seed + TURN_SEED_STRIDE k, and max_tokens cut to max_model_len minus its prompt; the request's own
+    parameters are left as they came."""
+    from types import SimpleNamespace
+
+    from vllm import SamplingParams
+
+    from rlray.actors.server import _VersionTracking
+    from rlray.envs.client import TURN_SEED_STRIDE
+
+    tracking = _VersionTracking(SimpleNamespace(llm=SimpleNamespace(model_config=SimpleNamespace(max_model_len=100))))
+    asked = SamplingParams(seed=7, max_tokens=50)
+    turns, first = tracking._session_turn("s", {"prompt_token_ids": [1] * 20}, asked)
+    assert first is asked and len(turns) == 0
+    turns.append({})  # generate records each turn
+    _, second = tracking._session_turn("s", {"prompt_token_ids": [1] * 70}, asked)
+    assert (second.seed, second.max_tokens) == (7 + TURN_SEED_STRIDE, 30) and (asked.seed, asked.max_tokens) == (7, 50)
+    _, other = tracking._session_turn("t", {"prompt_token_ids": [1] * 70}, SamplingParams(max_tokens=10))
+    assert (other.seed, other.max_tokens) == (None, 10)
