@@ -2,7 +2,8 @@
 
 Contract: `ChatHarness` is a `verifiers.v1.Harness` whose `launch` runs one chat turn in the env actor's
 own event loop: the conversation so far (system prompt, then the task's prompt or the resumed
-messages) goes to the rollout's interception `endpoint` with its `secret`, which records the turn on
+messages) goes to the rollout's interception `endpoint` (`POST /chat/completions`, one shared HTTP
+client) with its `secret`, which records the turn on
 the trace and samples it through the TrainClient (token in, token out, rlray's engine). verifiers
 v1 allows this (`verifiers/v1/harness.py`, `Harness.launch`: a harness may run its loop in process as
 long as every model call goes through the endpoint). Loaded by verifiers' own harness loader under the
@@ -17,7 +18,6 @@ from typing import Any
 
 import httpx
 import verifiers.v1 as vf
-from openai import AsyncOpenAI
 from verifiers.v1.dialects.chat import message_to_wire
 
 HARNESS_ID = "rlray_chat"
@@ -42,14 +42,25 @@ class ChatHarness(vf.Harness[ChatHarnessConfig]):
             messages.append({"role": "user", "content": prompt})
         elif prompt is not None:
             messages.extend(message_to_wire(m) for m in prompt)
-        # the interception maps failures; it answers from this loop, busy with every other episode: no
-        # timeout of the client's own (the episode's timeouts, env.rollout_timeout_s, bound the turn)
-        client = AsyncOpenAI(base_url=endpoint, api_key=secret, max_retries=0, timeout=httpx.Timeout(None))
-        try:
-            reply = await client.chat.completions.create(model=ctx.model, messages=messages)
-        finally:
-            await client.close()
-        return vf.ProgramResult(exit_code=0, stdout=reply.choices[0].message.content or "", stderr="")
+        reply = await _http().post(f"{endpoint.rstrip('/')}/chat/completions", json={"model": ctx.model, "messages": messages},
+                                   headers={"Authorization": f"Bearer {secret}"})
+        reply.raise_for_status()  # a failed model call: the interception has recorded it on the trace
+        text = reply.json()["choices"][0]["message"].get("content") or ""
+        return vf.ProgramResult(exit_code=0, stdout=text, stderr="")
+
+
+_client: httpx.AsyncClient | None = None
+
+
+def _http() -> httpx.AsyncClient:
+    """One HTTP client for every turn of the actor's episodes (a client per turn would build an SSL context per
+    turn: measured, most of the env actor's CPU). No timeout of its own: the interception answers from this
+    event loop, busy with every other episode, and the episode's timeouts (env.rollout_timeout_s) bound a turn."""
+    global _client
+    if _client is None or _client.is_closed:
+        _client = httpx.AsyncClient(timeout=httpx.Timeout(None), trust_env=False,
+                                    limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
+    return _client
 
 
 __all__ = ["ChatHarness", "ChatHarnessConfig"]

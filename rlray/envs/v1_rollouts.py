@@ -63,8 +63,8 @@ def _line_up(ids: list[int], mask: list[int], calls: list[dict], start: int) -> 
         end = len(p) + len(o)
         if ids[:len(p)] != p or ids[len(p):end] != o or not all(mask[len(p):end]):
             at = next((j for j, (a, b) in enumerate(zip(ids, p + o)) if a != b), min(len(ids), end))
-            return [], f"TokenMismatch: request {k + 1} of the session does not line up with the trace's branch " \
-                       f"(first difference at token {at})"
+            return [], (f"TokenMismatch: request {k + 1} of the session does not line up with the trace's branch "
+                        f"(first difference at token {at})")
         versions[len(p):end] = call["versions"]
     missing = [i for i, m in enumerate(mask) if m and versions[i] is None]
     if missing:

@@ -113,7 +113,7 @@ def _check_pairing(env: Any, config: Any, spec: dict[str, Any]) -> None:
 
     agent = getattr(config, spec["role"], None)
     if not isinstance(agent, vf.AgentConfig):
-        raise ValueError(f"the env has no agent role '{spec['role']}' (env.v1.role)")
+        raise ValueError(f"the env has no agent role '{spec['role']}' (env.v1.role)")  # noqa: TRY004 (a config error)
     if agent.harness is not None:
         validate_pairing(vf.load_harness(agent.harness), type(env.taskset).task_type(), agent.runtime)
 

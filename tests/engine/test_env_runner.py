@@ -7,8 +7,8 @@ One engine for the module (starting vLLM costs 20-40 s). The actor serves a mix 
 (single-turn: fast path, or HTTP when asked) and calculator with `force_tool_format` (vLLM
 structured outputs make even the random tiny model write `calc(...)` every turn, so every
 rollout is a three-turn tool conversation), guess_number (four turns of higher/lower), and
-`rlray_test_guess_v1`, a v1 Env written outside rlray (a temporary folder on `env.python_path`) that
-answers every wrong guess with "no, again" for up to three model turns.
+`rlray_test_feedback_v1`, a v1 Env written outside rlray (a temporary folder on `env.python_path`) that
+answers every wrong reply with "no, again" for up to three model turns.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import pytest
 
 from rlray.config import Config, EnvConfig, EnvSpec
 from rlray.envs.builtin.calculator import calc
+from tests.v1_envs import V1_FEEDBACK_ENV
 
 pytest.importorskip("vllm")
 
@@ -43,43 +44,7 @@ class LoopThread:
         self.thread.join(timeout=10)
 
 
-V1_GAME = "rlray_test_guess_v1"
-V1_GAME_SOURCE = '''
-"""Guess a letter: every wrong reply gets "no, again", up to three model turns."""
-import verifiers.v1 as vf
-
-
-class GuessData(vf.TaskData):
-    answer: str
-
-
-class GuessTask(vf.Task[GuessData, vf.State, vf.TaskConfig]):
-    @vf.reward
-    async def correct(self, task: GuessData, trace: vf.Trace) -> float:
-        return float(trace.last_reply.strip() == task.answer)
-
-
-class GuessTaskset(vf.Taskset[GuessTask, vf.TasksetConfig]):
-    def load(self):
-        for a in "abcdefgh":
-            yield GuessTask(GuessData(id=a, prompt="guess:a-h=", answer=a), self.config.task)
-
-
-class GuessConfig(vf.EnvConfig):
-    agent: vf.AgentConfig = vf.AgentConfig()
-
-
-class GuessEnv(vf.Env[GuessConfig]):
-    async def run(self, task, agents) -> None:
-        async with agents.agent.interaction(task) as it:
-            seg, turns = await it.turn(), 1
-            while not seg.terminated and seg.last_reply.strip() != task.data.answer and turns < 3:
-                seg, turns = await it.turn("no, again"), turns + 1
-
-
-__all__ = ["GuessConfig", "GuessData", "GuessEnv", "GuessTask", "GuessTaskset"]
-'''
-
+V1_GAME = "rlray_test_feedback_v1"
 
 @pytest.fixture(scope="module")
 def actor(tmp_path_factory) -> Iterator[tuple[Any, LoopThread]]:
@@ -90,7 +55,7 @@ def actor(tmp_path_factory) -> Iterator[tuple[Any, LoopThread]]:
     from rlray.orchestration import cluster
 
     folder = tmp_path_factory.mktemp("v1envs")
-    (folder / f"{V1_GAME}.py").write_text(V1_GAME_SOURCE)
+    (folder / f"{V1_GAME}.py").write_text(V1_FEEDBACK_ENV)
     c = Config()
     c.model.num_layers, c.model.arch = 2, "qwen3_moe"  # an MoE: its engine captures routing, every turn's
     c.rollout.max_model_len = 512  # four long turns of the random model (its max_position_embeddings)

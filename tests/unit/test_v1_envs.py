@@ -129,11 +129,9 @@ def test_a_failed_or_empty_v1_episode_is_a_masked_reward_zero_rollout() -> None:
 
 def test_the_v1_interpreter_describes_tasksets_by_split_and_one_that_fails_in_one_line(tmp_path) -> None:
     from rlray.actors.server import PLAIN_CHAT_TEMPLATE
+    from rlray.data.tokenizer import CHARS, char_tokenizer
     from rlray.envs import load_envs
     from rlray.envs.sft import SFTData
-    from rlray.data.tokenizer import char_tokenizer
-
-    from rlray.data.tokenizer import CHARS
 
     folder = write(tmp_path, "rlray_test_words_v1", V1_TASKSET)
     cfg = EnvConfig(mix=[EnvSpec("rlray_test_words_v1"), EnvSpec("reverse_text", {"num_train": 8, "num_eval": 4}),
@@ -197,8 +195,8 @@ def test_the_v1_interpreter_has_the_renderers_api_rlray_adapts(tmp_path) -> None
     the token-in renderer renders turn 1 as rlray's engines do and bridges turn 2
     after a completion whose text would not re-encode to its ids (a special token mid-answer)."""
     from rlray.actors.server import PLAIN_CHAT_TEMPLATE
-    from rlray.envs.base import render_prompt
     from rlray.data.tokenizer import char_tokenizer
+    from rlray.envs.base import render_prompt
 
     tok = char_tokenizer()
     tok.save_pretrained(tmp_path / "tok")
