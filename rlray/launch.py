@@ -45,9 +45,12 @@ def _plan(config: Config) -> Plan:
     if not config.dry_run:  # a dry run plans for the cluster the recipe names, not this machine
         from rlray.config.resources import check_local
         from rlray.envs import load_envs
+        from rlray.envs.v1 import console_line as v1_line
 
         check_local(config, " ".join(["python -m rlray.launch", *sys.argv[1:]]))
-        load_envs(config.env)  # an unknown env id, a missing package or biasing sampling args: one line, no Ray
+        envs = load_envs(config.env)  # an unknown env id, a missing package or biasing sampling args: one line, no Ray
+        if line := v1_line([e for e, _ in envs], config.env):
+            print(line, flush=True)
         if config.teacher.enabled:
             from rlray.models.tiny import model_path
             from rlray.orchestration.teachers import check_tokenizer

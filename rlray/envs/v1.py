@@ -14,6 +14,7 @@ Contract:
 - `describe(python, specs, python_path)`: every v1 env's tasks by split, from a subprocess of the v1
   interpreter (`python -m rlray.envs.v1_worker describe`, once per process and request); a v1 env that
   fails to load is a ValueError of one line.
+- `console_line(envs, env)`: the launch's line about the run's v1 envs.
 - `V1Env(id, spec, rows)`: rlray's handle on one v1 env (the `Env` interface: `row`, `example`,
   `num_examples`); a row is the task's data with `prompt` as chat messages (its system prompt first),
   `answer` (empty when the task has none) and `example_id`; `actor` is set by the rollout actor to its
@@ -175,3 +176,13 @@ class V1Env:
     def example(self, split: str, index: int) -> Example:
         row = self.row(split, index)
         return Example(index=index, prompt=prompt_text(row["prompt"]), answer=row["answer"], row=row)
+
+
+def console_line(envs: list, env: Any) -> str | None:
+    """What the launch prints about the run's v1 envs (None without any)."""
+    found = [e for e in envs if isinstance(e, V1Env)]
+    if not found:
+        return None
+    each = ", ".join(f"{e.id} ({e.num_examples('train')} train / {e.num_examples('eval')} eval tasks, "
+                     f"harness {e.spec['harness']})" for e in found)
+    return f"verifiers v1 envs: {each}; a v1 env actor beside each rollout actor, in {python(env)}"

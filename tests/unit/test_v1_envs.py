@@ -148,6 +148,9 @@ def test_the_v1_interpreter_describes_tasksets_by_split_and_one_that_fails_in_on
     assert row["prompt"] == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "rev:mask="}]
     assert (row["answer"], row["example_id"], row["v1_index"], row["v1_split"]) == ("ksam", 1, 1, "eval")
     assert "image" not in row  # TaskData fields at their defaults stay behind
+    line = v1.console_line([env, classic], cfg)
+    assert line.startswith("verifiers v1 envs: rlray_test_words_v1 (4 train / 2 eval tasks, harness chat); ")
+    assert v1.console_line([classic], cfg) is None
     assert env.example("train", 1).prompt == "be briefrev:hello="
     tok = char_tokenizer()
     sample = SFTData([(env, 1.0)], tok, PLAIN_CHAT_TEMPLATE, seed=0).sample(env, 1)
