@@ -71,11 +71,16 @@ def is_v1(env_id: str, python_path: list[str]) -> bool:
 
 
 def spec(env: Any, env_id: str, args: dict[str, Any], overrides: dict[str, Any] | None = None) -> dict[str, Any]:
-    v1 = {**_plain(env.v1), **dict(overrides or {})}
-    return {"module": module_of(env_id), "args": dict(args or {}), "eval_args": dict(v1.get("eval_args") or {}),
-            "harness": v1.get("harness", "chat"), "runtime": v1.get("runtime", "subprocess"),
-            "max_turns": v1.get("max_turns"), "role": v1.get("role", "agent"),
-            "max_tasks": int(v1.get("max_tasks", 100_000)), "timeout_s": float(env.rollout_timeout_s)}
+    base = _plain(env.v1)
+    per_env = set(base) - {"python"}  # the interpreter is one per run
+    unknown = sorted(set(overrides or {}) - per_env)
+    if unknown:
+        raise ValueError(f"env.mix entry '{env_id}': v1.{unknown[0]} is not a per-env v1 option; give one of "
+                         f"{sorted(per_env)}")
+    v1 = {**base, **dict(overrides or {})}
+    return {"module": module_of(env_id), "args": dict(args or {}), "eval_args": dict(v1["eval_args"] or {}),
+            "harness": v1["harness"], "runtime": v1["runtime"], "max_turns": v1["max_turns"], "role": v1["role"],
+            "max_tasks": int(v1["max_tasks"]), "timeout_s": float(env.rollout_timeout_s)}
 
 
 def _plain(section: Any) -> dict[str, Any]:

@@ -25,6 +25,7 @@ import numpy as np
 
 from rlray.envs.base import SERVED_MODEL
 from rlray.envs.v1 import V1Env
+from rlray.envs.v1_worker import empty_result
 from rlray.types import Rollout, overlay_routing
 
 
@@ -43,8 +44,7 @@ async def v1_group(env: V1Env, row: dict, n: int, temperature: float, max_tokens
                                                 SERVED_MODEL, sampling(n, temperature, max_tokens, seed))
     except Exception as e:  # the env actor died under the call (Ray restarts it) or failed outright
         why = " ".join(f"{type(e).__name__}: {e}".split())[:300]
-        records = [{"session": None, "ids": [], "mask": [], "logprobs": [], "reward": 0.0, "parts": {}, "stop": "",
-                    "turns": 0, "finish": "", "text": "", "error": f"EnvActorError: {why}"}] * n
+        records = [empty_result(f"EnvActorError: {why}")] * n
     out = []
     for rec in records:
         calls = server.session(rec["session"], start) if rec["session"] else []

@@ -158,7 +158,7 @@ def _result(episode: Any) -> dict[str, Any]:
     """One rollout record of an episode: its trainable trace's one branch."""
     errors = [f"EnvError: {e.type}: {e.message}" for e in episode.errors]
     traces = [t for t in episode.traces if t.agent.trainable]
-    out = _result_empty()
+    out = empty_result()
     if len(traces) != 1:
         errors.append(f"EnvError: the episode has {len(traces)} trainable traces; rlray trains one per rollout")
     if traces:
@@ -231,9 +231,9 @@ class V1EnvActor:
             try:
                 return _result(await asyncio.wait_for(env.run_slot(slot, self._context(base_url, model, args)), limit))
             except TimeoutError:
-                return {**_result_empty(), "error": f"RolloutTimeout: the episode ran past {limit:.0f}s"}
+                return empty_result(f"RolloutTimeout: the episode ran past {limit:.0f}s")
             except Exception as e:
-                return {**_result_empty(), "error": f"EnvError: {type(e).__name__}: {' '.join(str(e).split())[:300]}"}
+                return empty_result(f"EnvError: {type(e).__name__}: {' '.join(str(e).split())[:300]}")
 
         return list(await asyncio.gather(*(one(s, a) for s, a in zip(slots, sampling))))
 
@@ -243,9 +243,10 @@ class V1EnvActor:
         return os.getpid()
 
 
-def _result_empty() -> dict[str, Any]:
+def empty_result(error: str | None = None) -> dict[str, Any]:
+    """A rollout record with no tokens (an episode that failed before its trace, or with `error`)."""
     return {"session": None, "ids": [], "mask": [], "logprobs": [], "reward": 0.0, "parts": {}, "stop": "",
-            "turns": 0, "finish": "", "text": ""}
+            "turns": 0, "finish": "", "text": "", "error": error}
 
 
 def main(argv: list[str]) -> int:

@@ -83,6 +83,10 @@ def test_a_module_importing_verifiers_v1_is_a_v1_env_read_from_its_source(tmp_pa
     assert specs["rlray_test_words_v1"] == {
         "module": "rlray_test_words_v1", "args": {"n": 2}, "eval_args": {}, "harness": "bash",
         "runtime": "subprocess", "max_turns": None, "role": "agent", "max_tasks": 100_000, "timeout_s": 30.0}
+    for bad in ({"harnes": "bash"}, {"python": "/usr/bin/python3"}):  # a typo; the interpreter is one per run
+        cfg.mix[1].v1 = bad
+        with pytest.raises(ValueError, match=f"env.mix entry 'rlray_test_words_v1': v1.{next(iter(bad))} is not"):
+            v1.specs(cfg)
 
 
 def record(ids: list[int], mask: list[int], **extra) -> dict:
