@@ -14,7 +14,14 @@ set -euo pipefail
 
 die() { echo "local_cluster: $*" >&2; exit 1; }
 
-free_port() { python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+# N free ports, all held open until every one is chosen, so no two of them are the same port
+free_ports() {
+    python3 -c 'import socket, sys
+socks = [socket.socket() for _ in range(int(sys.argv[1]))]
+for s in socks:
+    s.bind(("0.0.0.0", 0))
+print(" ".join(str(s.getsockname()[1]) for s in socks))' "$1"
+}
 
 install() {
     command -v slurmctld >/dev/null && command -v munged >/dev/null && return
@@ -24,14 +31,15 @@ install() {
 }
 
 write_conf() {
-    local dir=$1 nodes=$2 cpus mem_mb host i
+    local dir=$1 nodes=$2 cpus mem_mb host i ports
     cpus=$(nproc)
     mem_mb=$(( $(awk '/MemTotal/ {print $2}' /proc/meminfo) * 9 / 10240 ))
     host=$(hostname -s)
+    read -r -a ports <<< "$(free_ports $((nodes + 1)))"
     cat > "$dir/slurm.conf" <<EOF
 ClusterName=rlray-local
 SlurmctldHost=$host(127.0.0.1)
-SlurmctldPort=$(free_port)
+SlurmctldPort=${ports[0]}
 SlurmUser=root
 AuthType=auth/munge
 CredType=cred/munge
@@ -56,7 +64,7 @@ InactiveLimit=0
 KillWait=3
 EOF
     for (( i = 1; i <= nodes; i++ )); do
-        echo "NodeName=node$i NodeHostname=$host NodeAddr=127.0.0.1 Port=$(free_port) CPUs=$cpus RealMemory=$mem_mb State=UNKNOWN" \
+        echo "NodeName=node$i NodeHostname=$host NodeAddr=127.0.0.1 Port=${ports[i]} CPUs=$cpus RealMemory=$mem_mb State=UNKNOWN" \
             >> "$dir/slurm.conf"
     done
     echo "PartitionName=local Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES" >> "$dir/slurm.conf"

@@ -143,6 +143,14 @@ def sbatch(env: dict[str, str], out: Path, nodes: list[str], *overrides: str, na
     return subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
+def slurm_errors(slurm: dict[str, str], lines: int = 30) -> str:
+    """The Slurm daemons' error lines (which daemon refused what), for a failing job's message."""
+    logs = sorted(Path(slurm["SLURM_CONF"]).parent.glob("log/slurm*.log"))
+    found = [f"{p.name}: {line}" for p in logs for line in read(p).splitlines()
+             if re.search(r"error|invalid|fatal", line, re.IGNORECASE)]
+    return "\n-- Slurm daemons' errors --\n" + "\n".join(found[-lines:])
+
+
 def read(path: Path) -> str:
     return path.read_text(errors="replace") if path.is_file() else ""
 
@@ -229,7 +237,7 @@ def test_sbatch_runs_the_recipe_on_two_ray_nodes(slurm: dict[str, str], bad_run:
         stop_processes(temp_dir)
         shutil.rmtree(temp_dir, ignore_errors=True)
     text = read(out)
-    assert job.returncode == 0, text[-4000:]
+    assert job.returncode == 0, text[-4000:] + slurm_errors(slurm)
     assert "all 2 node(s) joined" in text and "stopping Ray" in text
     # preempted mid-RL, requeued, resumed from that step's checkpoint, finished
     stopped = re.search(r"preempted \(SIGUSR1\) after RL step (\d+): checkpoint at RL step \1", text)
