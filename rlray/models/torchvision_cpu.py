@@ -13,7 +13,10 @@ build), the hook only loads it first and defines nothing.
 
 `python -m rlray.models.torchvision_cpu` writes `rlray-torchvision-cpu.pth` into the running
 interpreter's site-packages, so every process of that environment (vLLM's engine cores, Ray
-workers) has the hook before anything imports torchvision; the set-up (`make venv`) runs it.
+workers) has the hook before anything imports torchvision; the set-up (`make venv`) runs it. The
+.pth loads this file by its path under a private module name, never the `rlray` package: a Ray
+worker must import rlray from the code its runtime_env shipped, not from the installed checkout.
+This module imports only the standard library at its top.
 """
 
 from __future__ import annotations
@@ -55,25 +58,32 @@ def define_missing_ops() -> list[str]:
 
 
 class _Hook(importlib.abc.MetaPathFinder):
-    """Runs `define_missing_ops` once, just before torchvision's first import, then steps aside."""
+    """Runs `define_missing_ops` once, just before torchvision's first import. It stays on
+    `sys.meta_path` (removing itself while the import system walks that list would skip the next
+    finder for this import) and finds nothing: the normal finders import torchvision itself."""
+
+    done = False
 
     def find_spec(self, name: str, path: object = None, target: object = None) -> None:
-        """Finds nothing: the normal finders import torchvision itself."""
-        if name == "torchvision":
-            sys.meta_path.remove(self)
+        if name == "torchvision" and not self.done:
+            self.done = True
             define_missing_ops()
 
 
 def install() -> None:
-    if "torchvision" not in sys.modules and not any(isinstance(f, _Hook) for f in sys.meta_path):
+    if "torchvision" not in sys.modules and not any(type(f).__name__ == "_Hook" for f in sys.meta_path):
         sys.meta_path.insert(0, _Hook())
 
 
 def write_pth(site_packages: Path | None = None) -> Path:
-    """Make every interpreter of this environment run `install()` at start-up."""
+    """Make every interpreter of this environment run `install()` at start-up (this file, by path)."""
     folder = site_packages or Path(sysconfig.get_paths()["purelib"])
+    source = str(Path(__file__).resolve())
     path = folder / PTH
-    path.write_text("import rlray.models.torchvision_cpu as _rlray_tv; _rlray_tv.install()\n")
+    path.write_text(  # one line: a .pth runs lines that start with `import`
+        f"import importlib.util as _u, os as _o; _p = {source!r}; "
+        "_s = _o.path.isfile(_p) and _u.spec_from_file_location('_rlray_torchvision_cpu', _p); "
+        "_m = _s and _u.module_from_spec(_s); _s and (_s.loader.exec_module(_m), _m.install())\n")
     return path
 
 

@@ -20,7 +20,8 @@ def run(code: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_the_set_up_installed_the_hook_and_the_processors_import() -> None:
-    done = run("import torch, torchvision, vllm\n"
+    done = run("import sys; assert 'rlray' not in sys.modules, 'the start-up hook imported the rlray package'\n"
+               "import torch, torchvision, vllm\n"
                "from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageProcessor\n"
                "from transformers.models.qwen3_vl import Qwen3VLVideoProcessor\n"
                "from torchvision.transforms.v2 import functional as F\n"
@@ -52,12 +53,13 @@ def test_without_the_hook_torchvision_does_not_import_here() -> None:
 def test_write_pth_installs_the_hook_at_interpreter_start(tmp_path: Path) -> None:
     path = torchvision_cpu.write_pth(tmp_path)
     assert path.name == torchvision_cpu.PTH
-    line = path.read_text().strip()
-    assert line.startswith("import rlray.models.torchvision_cpu") and line.endswith("install()")
-    root, purelib = Path(torchvision_cpu.__file__).parents[2], sysconfig.get_paths()["purelib"]
+    assert str(Path(torchvision_cpu.__file__).resolve()) in path.read_text()
+    purelib = sysconfig.get_paths()["purelib"]
     for add, hooks in (("", "0"), (f"site.addsitedir({str(tmp_path)!r})", "1")):
         # -S: no site-packages .pth runs at start-up (this environment's own would install the hook)
-        code = (f"import sys; sys.path[:0] = [{str(root)!r}, {purelib!r}]\n"
-                f"import site\n{add}\nprint([type(f).__name__ for f in sys.meta_path].count('_Hook'))")
+        code = (f"import sys; sys.path[:0] = [{purelib!r}]\n"
+                f"import site\n{add}\nprint([type(f).__name__ for f in sys.meta_path].count('_Hook'),\n"
+                "      [m for m in sys.modules if m.split('.')[0] == 'rlray'])")
         done = subprocess.run([sys.executable, "-S", "-c", code], capture_output=True, text=True, timeout=120)
-        assert done.returncode == 0 and done.stdout.split()[-1] == hooks, (add, done.stdout, done.stderr[-2000:])
+        assert done.returncode == 0 and done.stdout.split()[0] == hooks, (add, done.stdout, done.stderr[-2000:])
+        assert done.stdout.split()[-1] == "[]", done.stdout  # the rlray package itself is not imported
