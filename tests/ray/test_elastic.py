@@ -42,10 +42,18 @@ def alive_nodes() -> int:
     return sum(n["Alive"] for n in ray.nodes())
 
 
+def spawned(name: str) -> bool:
+    try:
+        ray.get_actor(name)
+    except ValueError:
+        return False
+    return True
+
+
 def engine_up(name: str) -> bool:
     try:
         return ray.get(ray.get_actor(name).stats.remote(), timeout=30)["started"]
-    except ValueError:  # not spawned yet
+    except (ValueError, ray.exceptions.GetTimeoutError):  # not spawned yet, or its worker still starting
         return False
 
 
@@ -99,7 +107,8 @@ def test_the_pool_grows_with_a_joining_node_and_shrinks_when_its_raylet_dies(ray
         if not node:
             node.append(SecondNode(per_engine))
             wait_for("the second node to register", lambda: alive_nodes() == nodes_before + 1)
-        elif "up" not in events and engine_up("rollout-1"):
+        elif "up" not in events and spawned("rollout-1"):  # its engine starts without the driver
+            wait_for("rollout-1's engine to start", lambda: engine_up("rollout-1"), 300)
             events["up"] = at
         elif "up" not in events:
             time.sleep(1)  # the driver places the bundle and spawns rollout-1 between steps
