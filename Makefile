@@ -39,7 +39,7 @@ run: venv
 	$(BIN)/python -m rlray.launch $(ARGS)
 
 test: venv v1env
-	$(BIN)/python -m pytest -x -q -rs --durations=15 tests $(ARGS)
+	$(BIN)/python -m pytest -x -q -rs --durations=40 tests $(ARGS)
 
 clean:
 	rm -rf $(VENV) .venv-v1

@@ -108,7 +108,9 @@ def test_trainer_quick(tmp_path: Path) -> None:
 @pytest.mark.bench
 @pytest.mark.ray
 def test_weight_sync_quick(tmp_path: Path) -> None:
-    stdout, report = bench("weight-sync", tmp_path)
+    """The gloo sizes and the end-to-end rows into vLLM; the LoRA and colocated rows start two more engines
+    and are left out here (tests/engine/test_lora.py and test_colocated.py check those paths)."""
+    stdout, report = bench("weight-sync", tmp_path, "--lora-rank", "0", "--no-colocated")
     rows = report["rows"]
     positive(rows, "mb", "seconds", "gb_per_s")
     for size in ("10MB",):
@@ -118,16 +120,7 @@ def test_weight_sync_quick(tmp_path: Path) -> None:
         assert {r["bucket_mb"] for r in rows if r["size"] == size and r["method"] == "bucketed"} == {16, "1 tensor"}
     assert all(0 < r["vs_memcpy"] for r in rows)
     assert "bucketed(16MB) / per-tensor" in stdout and "x memcpy" in stdout
-    e2e, lora, colocated = report["sections"]
-    raw, handover = colocated["rows"]
-    assert (raw["engine"], handover["engine"], handover["mode"]) == ("raw gloo", "fp32 TP1 shm", "dense")
-    assert handover["mb_sent"] == raw["mb_sent"] > 0 and handover["logprob_diff"] < 1e-3  # exact fp32 handover
-    assert "10MB colocated shm handover / raw gloo broadcast seconds" in report["ratios"]
-    full, adapter = lora["rows"]
-    assert (full["mode"], adapter["mode"]) == ("full (base weights)", "adapter only")
-    assert 0 < adapter["mb_sent"] < 0.25 * full["mb_sent"]
-    assert all(r["logprob_diff"] < 0.05 for r in lora["rows"])  # the engine serves what the trainer holds
-    assert "LoRA r8 adapter / full sync seconds" in report["ratios"]
+    (e2e,) = report["sections"]
     by = {(r["engine"], r["wire"], r["mode"]): r for r in e2e["rows"]}
     assert set(by) == {("raw gloo", "float32", "broadcast only"), ("raw gloo", "bfloat16", "broadcast only"),
                        ("bf16 TP1", "bfloat16", "dense"), ("bf16 TP1", "bfloat16", "delta lr=0.0001"),
@@ -155,11 +148,12 @@ def test_rollout_quick(tmp_path: Path) -> None:
 @pytest.mark.bench
 @pytest.mark.ray
 def test_async_quick(tmp_path: Path) -> None:
-    _, report = bench("async", tmp_path, "--run-dir", str(tmp_path / "runs"), timeout=900.0)
+    """Disaggregated k=0 and k=2; the colocated layout's run is left out here (its own test:
+    tests/ray/test_colocated.py)."""
+    _, report = bench("async", tmp_path, "--run-dir", str(tmp_path / "runs"), "--colocated", timeout=900.0)
     rows = report["rows"]
-    assert [(r["layout"], r["k"]) for r in rows] == [("disaggregated", 0), ("disaggregated", 2), ("colocated", 0)]
+    assert [(r["layout"], r["k"]) for r in rows] == [("disaggregated", 0), ("disaggregated", 2)]
     positive(rows, "steps", "wall_s", "s_per_step", "train_s", "sync_s", "tokens_per_s", "speedup", "window_s")
-    assert rows[2]["lag_mean"] == 0.0 and "speedup colocated k=0 vs k=0 (steps 2+)" in report["ratios"]
     for r in rows:
         assert 0.0 <= r["trainer_idle"] <= 1.0 and 0.0 <= r["rollout_idle"] <= 1.0
         assert r["steps"] == report["params"]["steps"]
