@@ -34,6 +34,28 @@ def overlay_routing(earlier: np.ndarray | None, later: np.ndarray | None) -> np.
 
 
 @dataclass
+class Images:
+    """A sequence's images as its model family's processor made them, and where their placeholders sit.
+
+    The rollouts of one prompt share one object (pickle keeps one copy per group)."""
+
+    pixel_values: np.ndarray  # float32 [patches, patch_dim]: every image's patches, in placeholder order
+    grid_thw: np.ndarray  # int64 [I, 3]: each image's (time, height, width) patch grid
+    spans: np.ndarray  # int64 [I, 2]: each image's (first position, placeholder count) in the sequence
+
+    def __post_init__(self) -> None:
+        if len(self.grid_thw) != len(self.spans):
+            raise ValueError(f"{len(self.grid_thw)} image grids but {len(self.spans)} placeholder spans")
+
+    def mask(self, length: int) -> np.ndarray:
+        """bool [length]: the positions holding an image's placeholder tokens."""
+        out = np.zeros(length, bool)
+        for start, count in self.spans:
+            out[start:start + count] = True
+        return out
+
+
+@dataclass
 class Rollout:
     """One completion of one prompt, token-exact as the inference engine saw it."""
 
@@ -54,6 +76,7 @@ class Rollout:
     stop: str = ""  # the verifiers stop condition that ended it (max_turns_reached, turn_truncated, ...)
     routing: np.ndarray | None = None  # [P + C, MoE layers, top-k] (route_dtype): the engine's experts per position
     teacher_logprobs: np.ndarray | None = None  # float32 [C]: the distillation teacher's logprob of each token
+    images: Images | None = None  # a vision-language prompt's images (placeholders in prompt or env tokens)
 
     @property
     def min_version(self) -> int:
@@ -103,6 +126,10 @@ class MicroBatch:
     position_ids: np.ndarray | None = None  # int64 [B, T]; None: 0..T-1 in every row
     segment_ids: np.ndarray | None = None  # int64 [B, T]; None: one sequence per row, padding off the mask
     routing: np.ndarray | None = None  # [B, T, MoE layers, top-k] (route_dtype): the engine's experts per position
+    # images (a vision-language model): every image of the micro-batch in row-major placeholder order
+    pixel_values: np.ndarray | None = None  # float32 [patches, patch_dim]
+    image_grid_thw: np.ndarray | None = None  # int64 [I, 3]
+    image_mask: np.ndarray | None = None  # bool [B, T]: the image placeholder positions
 
     def __post_init__(self) -> None:
         B, T = np.shape(self.input_ids)

@@ -224,7 +224,7 @@ class BufferActor:
         return [
             Sample(r.prompt_ids, r.completion_ids, r.loss_mask.astype(np.float32) * trains_on(r, self.algo),
                    a if np.ndim(a) else float(a), np.full_like(r.logprobs, np.nan) if r.biased else r.logprobs, step - r.versions,
-                   r.routing)
+                   r.routing, r.images)
             for g in groups
             for r, a in zip(g.rollouts, g.advantages)
         ]

@@ -45,6 +45,7 @@ from rlray.algo.loss import get_loss, loss_normalizer, mismatch_kl, require_reso
 from rlray.config import AlgoConfig, TrainerConfig
 from rlray.data.layout import model_inputs
 from rlray.models.lora import is_adapter
+from rlray.models.multimodal import forward_kwargs
 from rlray.parallel import context
 from rlray.parallel.dims import ParallelDims
 from rlray.parallel.expert import ExpertLoad
@@ -111,8 +112,8 @@ class Learner:
         does the same over the gathered keys, and the next-token logprobs of every rank of the
         group are gathered back into the micro-batch's layout."""
         with context.active(t["scope"]):
-            logits = (model or self.model)(input_ids=t["input_ids"], position_ids=t["position_ids"],
-                                           use_cache=False).logits.float()
+            model = model or self.model
+            logits = model(input_ids=t["input_ids"], use_cache=False, **forward_kwargs(model, t)).logits.float()
         if temperature > 0:
             logits = logits / temperature
         nxt = torch.log_softmax(logits, dim=-1).gather(-1, t["targets"][..., None]).squeeze(-1)

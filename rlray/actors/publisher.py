@@ -1,6 +1,6 @@
 """WeightPublisher: a trainer rank's end of the weight path (vLLM's weight-transfer protocol).
 
-Contract: `WeightPublisher(model, device, rank, wire_dtype)`. `open(spec, client)` builds this
+Contract: `WeightPublisher(model, device, rank, wire_dtype, lora, frozen_tower)`. `open(spec, client)` builds this
 rank's trainer engine (rlray.weightsync.protocol; `client` is a VLLMWeightSyncClient over the
 engines, driven by rank 0); `publish(version)` is one sync, a collective of every rank: each
 gathers one full parameter at a time (dense and EP/FSDP-sharded experts alike), cast first to
@@ -10,7 +10,8 @@ drives the engines' start, update and finish, labelled `version`. Returns the se
 rank 0, the bytes sent. With LoRA (`lora`, the adapters' PEFT config) an RL sync moves only the
 adapters (PEFT's names; the engines keep them, rlray.weightsync.lora), preceded by the base
 (checkpoint names) when the group's engines do not hold it yet (a new group: start, resume, a
-replaced engine); SFT's syncs (`stage`) move the base it trains. `close()` leaves the group
+replaced engine); SFT's syncs (`stage`) move the base it trains. A frozen vision tower
+(`trainer.freeze_vision`) is never sent: every engine loads it from the same checkpoint. `close()` leaves the group
 (safe from another thread while a sync is in flight: the trainer's control thread). `source()`
 is the `WeightSource` vLLM's engines read.
 """
@@ -25,14 +26,17 @@ from typing import Any
 import torch
 
 from rlray.models.lora import checkpoint_name, is_adapter, peft_name
+from rlray.models.multimodal import vision_tower
 from rlray.weightsync.transport import TrainerSpec, on_default_stream
 
 
 class WeightPublisher:
     def __init__(self, model: torch.nn.Module, device: torch.device, rank: int, wire_dtype: torch.dtype | None,
-                 lora: dict[str, Any] | None = None) -> None:
+                 lora: dict[str, Any] | None = None, frozen_tower: bool = False) -> None:
         self.model, self.device, self.rank, self.wire_dtype = model, device, rank, wire_dtype
         self.lora = lora  # the adapters' PEFT config (rlray.models.lora.adapter_config); None: no LoRA
+        tower = vision_tower(model) if frozen_tower else None
+        self.unsent = {id(p) for p in tower.parameters()} if tower is not None else set()
         self.transfer: Any = None  # this rank's TrainerWeightTransferEngine
         self.client: Any = None
         self.stage = "rl"  # with LoRA, RL syncs move the adapters; SFT's the base it trains
@@ -42,6 +46,8 @@ class WeightPublisher:
     def _sent(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
         """(name on the wire, parameter) of what the sync in progress moves."""
         for name, p in self.model.named_parameters():
+            if id(p) in self.unsent:
+                continue
             if self.lora is None:
                 yield name, p
             elif is_adapter(name) == self.adapters:  # the engines know PEFT's names and the checkpoint's

@@ -78,7 +78,7 @@ class TrainerActor:
         ref = build_model(path, dims, self.cfg, self.device).requires_grad_(False) if self.algo.kl_coef > 0 else None
         self.learner = Learner(model, ref, dims, self.cfg, self.algo, self.temperature, self.device)
         lora = adapter_config(self.cfg.lora, adapted_modules(model), path) if self.cfg.lora.enabled else None
-        self.publisher = WeightPublisher(model, self.device, self.rank, self.wire_dtype, lora)
+        self.publisher = WeightPublisher(model, self.device, self.rank, self.wire_dtype, lora, self.cfg.freeze_vision)
         n = sum(p.numel() for p in model.parameters())  # DTensor numel is the full size
         return {"rank": self.rank, "pid": os.getpid(), "params_approx": int(n)}
 

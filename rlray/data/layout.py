@@ -9,6 +9,9 @@ row per sequence ([N, L]: `loss_mask`, `advantages`, `inference_logprobs`, `stal
 from the packed layout through `index` / `valid` (rlray.data.packing.sequence_rows).
 With MoE routing (`mb.routing`), `routing` is the engine's experts of every token the model sees
 ([B x T (or Tl), MoE layers, top-k], long; rlray.parallel.routing replays them), else None.
+With images (`mb.pixel_values`), `images` holds `pixel_values`, `image_grid_thw` and `image_mask`
+(rlray.models.multimodal makes the model's inputs of them), else None; context parallelism does not
+split image sequences (a `ValueError`).
 `cp` is None, or (group, rank in it, degree).
 """
 
@@ -34,6 +37,9 @@ def model_inputs(mb: MicroBatch, device: torch.device, cp: tuple[Any, int, int] 
     targets, scope, routing = np.pad(ids[:, 1:], ((0, 0), (0, 1))), None, mb.routing
     first = torch.tensor(pos == 0, device=device)  # a sequence's first token: nothing predicts it
     if cp is not None:
+        if mb.pixel_values is not None:
+            raise ValueError("trainer.cp > 1 cannot split sequences with images; set trainer.cp=1 for a "
+                             "vision-language model")
         group, rank, degree = cp
         shards, inverse = context.shard(pos, mb.segment_ids, degree)
         scope = context.Scope(group, rank, shards, inverse, device)
@@ -49,4 +55,8 @@ def model_inputs(mb: MicroBatch, device: torch.device, cp: tuple[Any, int, int] 
     t["stale"] = rows(mb.lag > 0).float() if mb.lag is not None else torch.zeros_like(t["loss_mask"])
     t["routing"] = None if routing is None else torch.tensor(
         routing.reshape(-1, *routing.shape[2:]).astype(np.int64), device=device)
+    t["images"] = None if mb.pixel_values is None else {
+        "pixel_values": torch.tensor(mb.pixel_values, device=device),
+        "image_grid_thw": torch.tensor(mb.image_grid_thw, device=device),
+        "image_mask": torch.tensor(mb.image_mask, device=device)}
     return t

@@ -13,8 +13,11 @@ micro-batches). Then
 Every rank gets the same number of micro-batches (FSDP runs collectives per forward), padding
 with a fully masked one where needed. Samples' routing (MoE) rides along position by position
 (`MicroBatch.routing`, `no_route` at padding and for samples without one; None when no sample has
-one). A sequence longer than `micro_batch_tokens` gets a row
-of its own. `sequence_rows(segment_ids)` gives the gather index from a micro-batch's tokens to
+one). Images (a vision-language model's, `Sample.images`) ride along the same way: a micro-batch
+holds every image of its sequences (an image never crosses micro-batches), in row-major
+placeholder order, with the placeholder positions (`MicroBatch.image_mask`); the trainer derives the
+model family's multimodal rotary positions per sequence from them (rlray.models.multimodal).
+A sequence longer than `micro_batch_tokens` gets a row of its own. `sequence_rows(segment_ids)` gives the gather index from a micro-batch's tokens to
 one row per sequence, the layout the losses read.
 """
 
@@ -24,7 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from rlray.types import MicroBatch, no_route
+from rlray.types import Images, MicroBatch, no_route
 
 
 @dataclass
@@ -38,6 +41,7 @@ class Sample:
     logprobs: np.ndarray  # [C]
     lag: np.ndarray | None = None  # [C]: trainer step minus the policy version that sampled each token
     routing: np.ndarray | None = None  # [P + C, MoE layers, top-k]: the engine's experts (rlray.types.no_route: none)
+    images: Images | None = None  # a vision-language sequence's images
 
     def __len__(self) -> int:
         return len(self.prompt_ids) + len(self.completion_ids)
@@ -106,7 +110,32 @@ def to_micro_batch(rows: list[list[Sample]], pad_id: int) -> MicroBatch:
             if route is not None and s.routing is not None:
                 route[b, span] = s.routing
             at, n = at + p + c, n + 1
-    return MicroBatch(ids, attn, mask, adv, logp, lag=lag, position_ids=pos, segment_ids=seg, routing=route)
+    mb = MicroBatch(ids, attn, mask, adv, logp, lag=lag, position_ids=pos, segment_ids=seg, routing=route)
+    _add_images(mb, rows)
+    return mb
+
+
+def _add_images(mb: MicroBatch, rows: list[list[Sample]]) -> None:
+    """The rows' images in row-major placeholder order (sequences in a row follow each other)."""
+    placed = [(b, at, s) for b, at, s in _placed(rows) if s.images is not None and len(s.images.grid_thw)]
+    if not placed:
+        return
+    mb.image_mask = np.zeros(np.shape(mb.input_ids), bool)
+    for b, at, s in placed:
+        mb.image_mask[b, at:at + len(s)] = s.images.mask(len(s))
+    mb.pixel_values = np.concatenate([s.images.pixel_values for _, _, s in placed])
+    mb.image_grid_thw = np.concatenate([s.images.grid_thw for _, _, s in placed]).astype(np.int64)
+
+
+def _placed(rows: list[list[Sample]]) -> list[tuple[int, int, Sample]]:
+    """(row, first position, sample) of every sample, in row-major order."""
+    out = []
+    for b, row in enumerate(rows):
+        at = 0
+        for s in row:
+            out.append((b, at, s))
+            at += len(s)
+    return out
 
 
 def sequence_rows(segment_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

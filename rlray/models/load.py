@@ -2,7 +2,8 @@
 
 Contract: `build_model(path, dims, cfg, device)` reads the transformers config at `path` (a
 folder, or a hub id whose snapshot `local_folder` fetches),
-builds the model on the meta device, applies `rlray.parallel.parallelize` (EP, activation
+builds the model on the meta device (transformers' causal-LM class, or its image-text-to-text one
+for a vision-language model, whose tower `trainer.freeze_vision` freezes), applies `rlray.parallel.parallelize` (EP, activation
 checkpointing, FSDP2), allocates only this rank's shards on `device`, and fills each one
 from the checkpoint's safetensors files, reading just the slice that shard covers
 (safetensors slices are memory-mapped reads). Master weights are fp32 whatever the
@@ -29,6 +30,7 @@ from torch.distributed.tensor import DTensor
 from rlray.config import TrainerConfig
 from rlray.models.attention import PACKED, packed_attention
 from rlray.models.lora import apply_lora, checkpoint_name, init_adapters, is_adapter
+from rlray.models.multimodal import freeze_vision, is_vision
 from rlray.parallel import context
 from rlray.parallel.dims import ParallelDims
 from rlray.parallel.hf import init_non_persistent_buffers, register_attention
@@ -73,14 +75,23 @@ def attention_for(device: torch.device, dims: ParallelDims, dtype: str = "float3
 
 
 def build_model(path: str, dims: ParallelDims, cfg: TrainerConfig, device: torch.device) -> nn.Module:
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     folder = local_folder(path)
     config = read_config(str(folder))
     dims.check_model(config)
+    vision = is_vision(config)
+    if vision and dims.cp_enabled:
+        raise ValueError(f"trainer.cp={dims.cp}: context parallelism does not split image sequences; set "
+                         f"trainer.cp=1 for the vision-language model {path}")
+    auto = AutoModelForImageTextToText if vision else AutoModelForCausalLM
+    attention: str | dict[str, str] = attention_for(device, dims, cfg.param_dtype)
+    if vision:  # the vision tower attends both ways within each image: transformers' own SDPA path
+        attention = {"": attention, "text_config": attention, "vision_config": "sdpa"}
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32,
-                                                 attn_implementation=attention_for(device, dims, cfg.param_dtype))
+        model = auto.from_config(config, dtype=torch.float32, attn_implementation=attention)
+    if cfg.freeze_vision:
+        freeze_vision(model)
     if cfg.lora.enabled:
         apply_lora(model, cfg.lora)
         for p in model.parameters():  # a frozen base needs no fp32 master (unless SFT trains it)

@@ -97,3 +97,13 @@ def build_tiny(cfg: ModelConfig, out: Path) -> None:
 def collapse_image_pads(ids: list[int], pad_id: int) -> list[int]:
     """A processed prompt's ids with each run of image pads cut to one (vLLM's token-in image form)."""
     return [t for i, t in enumerate(ids) if t != pad_id or i == 0 or ids[i - 1] != pad_id]
+
+
+def placeholder_spans(ids: list[int], pad_id: int) -> Any:
+    """int64 [I, 2]: (first position, length) of each run of image pads in a processed prompt."""
+    import numpy as np
+
+    pads = np.asarray(ids) == pad_id
+    edges = np.flatnonzero(np.diff(np.concatenate([[0], pads.astype(np.int8), [0]])))
+    starts, ends = edges[::2], edges[1::2]
+    return np.stack([starts, ends - starts], axis=1).astype(np.int64).reshape(-1, 2)

@@ -6,8 +6,8 @@ Contract: `parallelize(model, dims, cfg)` applies, in this order,
 2. activation checkpointing (`cfg.activation_checkpointing`): every decoder layer's activations
    are recomputed in backward (transformers' own gradient checkpointing, non-reentrant);
 3. FSDP2: expert weights first, sharded over `efsdp` (the ranks holding the same experts),
-   their gradients divided by the whole data-parallel size, since every rank's tokens reach
-   them; then every decoder layer and the root over `dp_shard`, so one layer's parameters
+   them; then every decoder layer (a vision-language model's: its vision blocks, then its vision
+   tower, then the language model's layers) and the root over `dp_shard`, so one layer's parameters
    are gathered at a time, in `cfg.param_dtype` with fp32 master weights and reductions.
 It works on a meta-device model (rlray.models.load materialises the shards afterwards).
 `clip_grad_norm_(params, max_norm)` clips by the global norm over parameters that may live
@@ -33,10 +33,21 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
-    layers = getattr(getattr(model, "model", None), "layers", None)
+    """The decoder layers: `model.model.layers`, or a vision-language model's `model.model.language_model.layers`."""
+    inner = getattr(model, "model", None)
+    layers = getattr(getattr(inner, "language_model", inner), "layers", None)
     if not isinstance(layers, nn.ModuleList):
         raise TypeError(f"{type(model).__name__} has no model.layers ModuleList; cannot shard it per layer")
     return layers
+
+
+def vision_units(model: nn.Module) -> list[nn.Module]:
+    """A vision-language model's vision blocks then its whole tower (`model.model.visual`); [] for a text model."""
+    tower = getattr(getattr(model, "model", None), "visual", None)
+    if tower is None:
+        return []
+    blocks = getattr(tower, "blocks", None)
+    return [*(blocks if isinstance(blocks, nn.ModuleList) else []), tower]
 
 
 def parallelize(model: nn.Module, dims: ParallelDims, cfg: TrainerConfig) -> nn.Module:
@@ -59,7 +70,7 @@ def apply_fsdp(model: nn.Module, dims: ParallelDims, param_dtype: str = "float32
             if dist.get_backend(efsdp.get_group()) != "nccl" and dims.efsdp > 1:
                 experts.set_force_sum_reduction_for_comms(True)
     mesh = dims.mesh("dp_shard")
-    for layer in decoder_layers(model):
+    for layer in [*vision_units(model), *decoder_layers(model)]:
         fully_shard(layer, mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)
     return model
