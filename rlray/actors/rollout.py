@@ -45,7 +45,9 @@ from typing import Any, TypeVar
 
 from rlray.config import EnvConfig, ModelConfig, RolloutConfig, engine_workers
 from rlray.envs import V1Env, load_envs
+from rlray.envs.images import vision_prompt
 from rlray.envs.v1 import specs as v1_specs
+from rlray.models.multimodal import is_vision
 from rlray.models.tiny import model_path
 from rlray.parallel.dims import num_experts
 from rlray.types import Group
@@ -118,14 +120,17 @@ class RolloutActor:
         path = model_path(self.model_cfg)
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         template = resolve_chat_template(self.env_cfg, self.tokenizer)
+        hf_config = AutoConfig.from_pretrained(path)
+        vision = vision_prompt(path, template, self.cfg.max_images) if is_vision(hf_config) else None
         bridge = TurnBridge(self.tokenizer, template)  # fails fast on a template it cannot split
         envs = await self._load_envs(path, template)
         if self.cfg.gpus_per_actor == 0 and engine_workers(self.cfg) > 1:
             os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_binding(engine_workers(self.cfg)))
         self.engine = await Engine.create(path, max_model_len=self.cfg.max_model_len, seed=self.seed + self.index,
                                           kv_cache_fraction=self.cfg.kv_cache_fraction,
-                                          weights_backend=self.weights_backend, engine_kwargs=self._engine_kwargs(),
-                                          capture_routing=num_experts(AutoConfig.from_pretrained(path)) > 0,
+                                          weights_backend=self.weights_backend,
+                                          engine_kwargs=self._engine_kwargs(vision is not None),
+                                          capture_routing=num_experts(hf_config) > 0,
                                           lora_rank=self.lora_rank)
         parser = self.env_cfg.tool_call_parser
         if parser == "auto":
@@ -136,7 +141,7 @@ class RolloutActor:
         self.clients = make_clients(self.server.url, self.env_cfg.rollout_timeout_s, bridge, self.cfg.max_model_len)
         self.runner = EnvRunner(envs, self.engine, self.tokenizer, self.clients, self.env_cfg,
                                 version=lambda: self.version, server=self.server, chat_template=template,
-                                num_actors=self.num_actors, run_seed=self.run_seed)
+                                num_actors=self.num_actors, run_seed=self.run_seed, vision=vision)
         return {"index": self.index, "model": path, "endpoint": self.server.url}
 
     async def _load_envs(self, path: str, template: str) -> list:
@@ -154,7 +159,7 @@ class RolloutActor:
                 env.actor = self.v1_actor
         return envs
 
-    def _engine_kwargs(self) -> dict[str, Any]:
+    def _engine_kwargs(self, vision: bool = False) -> dict[str, Any]:
         kwargs: dict[str, Any] = {"dtype": self.cfg.dtype, "enforce_eager": self.cfg.enforce_eager,
                                   "tensor_parallel_size": self.cfg.tensor_parallel_size,
                                   "data_parallel_size": self.cfg.data_parallel_size}
@@ -175,6 +180,8 @@ class RolloutActor:
             kwargs["enable_chunked_prefill"] = False
         if self.cfg.kv_cache_gb > 0:
             kwargs["kv_cache_memory_bytes"] = int(self.cfg.kv_cache_gb * 2**30)
+        if vision:
+            kwargs["limit_mm_per_prompt"] = {"image": self.cfg.max_images, "video": 0}
         return {**kwargs, **self.cfg.engine_kwargs}
 
     async def endpoint(self) -> str:

@@ -78,6 +78,7 @@ class TrainerConfig:
     cp: int = 1  # context parallelism: ranks that split each sequence (divides num_ranks; they share a batch)
     activation_checkpointing: bool = False  # recompute each decoder layer's activations in backward
     router_replay: bool = False  # MoE (R3): every token goes through the experts the engine routed it to
+    freeze_vision: bool = False  # a vision-language model: its vision tower is not trained (nor synced)
     lora: LoraConfig = field(default_factory=LoraConfig)
     node_labels: dict[str, str] = field(default_factory=dict)  # ranks only on Ray nodes with these labels
     # cluster.colocate on GPUs: the optimizer state waits in host memory while the engines generate
@@ -119,6 +120,7 @@ class RolloutConfig:
     expert_parallel: bool = False  # vLLM's expert parallelism across the TP workers (GPU engines only)
     quantization: str = ""  # "fp8": vLLM serves FP8 weights quantized from each sync's bf16 ones (GPU only)
     max_concurrent_groups: int = 64
+    max_images: int = 4  # a vision-language model: images per prompt (vLLM's limit_mm_per_prompt)
     max_restarts: int = 3  # rollout actors replaced after a crash during RL, in all; 0: a crash ends the run
     node_labels: dict[str, str] = field(default_factory=dict)  # engines only on Ray nodes with these labels
     max_failed_groups: int = 3  # an engine failing this many groups in a row is replaced like a dead one

@@ -44,7 +44,7 @@ def message_text(message: Any) -> str:
     if isinstance(content, str):
         return content
     if isinstance(content, list):
-        return "".join(p.get("text", "") if isinstance(p, dict) else getattr(p, "text", "") or "" for p in content)
+        return "".join((p.get("text") if isinstance(p, dict) else getattr(p, "text", None)) or "" for p in content)
     return ""
 
 

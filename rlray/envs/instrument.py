@@ -39,6 +39,7 @@ class Tracker:
     version: int
     errors: list[str] = field(default_factory=list)
     state: Any = None
+    images: Any = None  # the prompt's rlray.types.Images (a vision-language prompt), shared by its group
 
 
 CURRENT: contextvars.ContextVar[Tracker | None] = contextvars.ContextVar("rlray_rollout", default=None)

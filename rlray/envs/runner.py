@@ -42,6 +42,11 @@ Contract:
   overridden rollout hooks) skips HTTP: the prompt is rendered with the same chat template
   the endpoint uses, the engine samples all n completions in one request, and the env's
   rubric scores them exactly as it scores HTTP rollouts. Everything else goes over HTTP.
+- Images (a vision-language model, `vision`: rlray.envs.images.VisionPrompt): a single-turn prompt's
+  image parts go to the engine with the processor's ids (placeholders expanded) and ride on each
+  rollout for the trainer (`Rollout.images`, one object per group); an image that cannot be read, too
+  many images, images for a text-only model or on the HTTP route give that group's rollouts the
+  error "ImageError: ..." (counted, never trained on).
 - `evaluate(env, indices, n, temperature, max_tokens)` runs rows of the eval split and
   returns one record per example (prompt, answer, completions, rewards, errors).
 """
@@ -58,12 +63,15 @@ from typing import Any
 import numpy as np
 
 from rlray.envs.base import SERVED_MODEL, Env, biased_sampling_args, prompt_text, render_prompt
+from rlray.envs.images import ImageError, VisionPrompt, has_images
 from rlray.envs.instrument import CURRENT, ToolTimeoutError, Tracker, error_kind, instrument_env
 from rlray.envs.v1 import V1Env
 from rlray.envs.v1_rollouts import v1_group
-from rlray.types import Rollout, no_route, overlay_routing
+from rlray.types import Images, Rollout, no_route, overlay_routing
 
 log = logging.getLogger(__name__)
+HTTP_IMAGES = ("images reach the engine on the single-turn fast path only so far: a single-turn environment "
+               "with env.fast_path=true")
 
 
 
@@ -71,7 +79,7 @@ log = logging.getLogger(__name__)
 class EnvRunner:
     def __init__(self, envs: list[tuple[Env, float]], engine: Any, tokenizer: Any, clients: list[Any], cfg: Any, *,
                  version: Callable[[], int], server: Any = None, chat_template: str | None = None,
-                 num_actors: int = 1, run_seed: int = 0) -> None:
+                 num_actors: int = 1, run_seed: int = 0, vision: VisionPrompt | None = None) -> None:
         self.envs = [e for e, _ in envs]
         self.weights = [w for _, w in envs]
         self.by_id = {e.id: e for e in self.envs}
@@ -79,6 +87,7 @@ class EnvRunner:
         self._next_client = 0
         self.version, self.server, self.chat_template = version, server, chat_template
         self.num_actors, self.run_seed = num_actors, run_seed
+        self.vision = vision  # a vision-language model's prompt renderer (its processor); None: text only
         self.counts: Counter[str] = Counter()
         for e in self.envs:
             if not isinstance(e, V1Env):  # a v1 env runs in its own actor (rlray.envs.v1_rollouts)
@@ -121,6 +130,8 @@ class EnvRunner:
         if self.uses_fast_path(env):
             trackers = await self._fast(env, row, n, temperature, max_tokens, sampling, client, seed)
             self.counts["fast_rollouts"] += n
+        elif has_images(row.get("prompt")):
+            trackers = [Tracker(self.version(), [f"ImageError: {HTTP_IMAGES}"]) for _ in range(n)]
         else:
             seeded = [sampling if seed is None else {**sampling, "seed": seed + j} for j in range(n)]
             trackers = await asyncio.gather(*(self._http(env, row, sp, client) for sp in seeded))
@@ -152,6 +163,15 @@ class EnvRunner:
     def render(self, messages: list, tools: list | None = None) -> list[int]:
         return render_prompt(self.tokenizer, messages, self.chat_template, tools)
 
+    def prompt(self, messages: list) -> tuple[list[int], list[Any], Images | None]:
+        """A single-turn prompt's ids, its images for the engine and for the trainer."""
+        if self.vision is not None:
+            return self.vision.render(messages)
+        if has_images(messages):
+            raise ImageError("the prompt has images but the model is text-only: model.name must be a "
+                             "vision-language model for this environment")
+        return self.render(messages), [], None
+
     # ---- the two paths ----------------------------------------------------------
     async def _http(self, env: Env, row: dict, sampling: dict, client: Any) -> Tracker:
         tracker = Tracker(version=self.version())
@@ -182,13 +202,20 @@ class EnvRunner:
         start = self.version()
         trackers = [Tracker(version=start) for _ in range(n)]
         try:
-            prompt_ids = self.render(row["prompt"])
+            prompt_ids, images, trainer_images = self.prompt(row["prompt"])
+        except ImageError as e:
+            for t in trackers:
+                t.errors.append(f"ImageError: {e}")
+            return trackers
         except Exception as e:
             for t in trackers:
                 t.errors.append(f"EnvError: rendering the prompt failed: {type(e).__name__}: {e}")
             return trackers
         samples = await self.engine.generate(prompt_ids, n=n, temperature=temperature, max_tokens=max_tokens,
-                                             version=self.version, seed=seed)  # vLLM: child j gets seed + j
+                                             version=self.version, seed=seed,  # vLLM: child j gets seed + j
+                                             images=images or None)
+        for t in trackers:
+            t.images = trainer_images
         for t, s in zip(trackers, samples):
             try:
                 state = await env.vf.init_state(row, client, SERVED_MODEL, sampling)
@@ -326,6 +353,7 @@ class EnvRunner:
             biased=bool(biased_sampling_args(env.vf.sampling_args)),
             turns=len(turns), stop=str((state or {}).get("stop_condition") or ""),
             routing=routing if routing is not None and len(routing) == len(prompt) + len(ids) else None,
+            images=t.images,
         )
 
 

@@ -3,7 +3,8 @@ benchmarks use.
 
 Contract: `model_shape(hf_config, name, source)` builds the model on the meta device (no weights,
 no memory) and returns a `ModelShape`: every parameter (`params`, tied ones once), the routed
-experts' (`expert_params`), what sits outside the decoder layers (`root_params`), the largest
+experts' (`expert_params`), what sits outside the decoder layers (`root_params`: a vision-language
+model's vision tower too), the largest
 layer's dense and expert parts, `active_params` (what one token uses: embedding and head
 included, top-k of the routed experts), and the matrices a token is multiplied through
 (`matrix_params`, `active_matrix_params`: the output head but not the embedding lookup; the FLOPs
@@ -63,18 +64,20 @@ class ModelShape:
         return self.matrix_params - self._inactive() - self.embedding_params
 
     def dim(self, key: str, default: int = 0) -> int:
-        return int(getattr(self.hf, key, None) or default)
+        """A dimension of the language model (a vision-language model's text config)."""
+        return int(getattr(self.hf.get_text_config(), key, None) or default)
 
 
 def model_shape(hf: Any, name: str = "", source: str = "", lora: LoraConfig | None = None) -> ModelShape:
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
+    from rlray.models.multimodal import is_vision
     from rlray.parallel.expert import moe_experts
     from rlray.parallel.parallelize import decoder_layers
 
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(hf)
+        model = (AutoModelForImageTextToText if is_vision(hf) else AutoModelForCausalLM).from_config(hf)
     count = lambda module: sum(p.numel() for p in module.parameters())
     experts = {n: count(m) for n, m in moe_experts(model)}
     per_layer = [(count(layer), sum(v for n, v in experts.items() if n.startswith(f"model.layers.{i}.")))

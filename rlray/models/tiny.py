@@ -81,9 +81,14 @@ def tiny_architecture(cfg: ModelConfig, vocab: int, tok) -> PretrainedConfig:
     """The transformers config of a tiny `cfg.arch` model (qwen3 when unset) over `tok`'s vocabulary."""
     import transformers
 
+    from rlray.models import vision
+
     arch = cfg.arch or DEFAULT_ARCH
+    if arch in vision.VISION_ARCHS:  # its own tokenizer: the character one plus the family's vision tokens
+        return vision.VISION_ARCHS[arch][0](cfg, vision.vision_tokenizer())
     if arch not in ARCHS:
-        raise ValueError(f"model.arch='{arch}' is not a tiny architecture; choose one of {sorted(ARCHS)}")
+        raise ValueError(f"model.arch='{arch}' is not a tiny architecture; choose one of "
+                         f"{sorted([*ARCHS, *vision.VISION_ARCHS])}")
     config_class, extra = ARCHS[arch]
     return getattr(transformers, config_class)(**_common(cfg, vocab, tok), **extra(cfg))
 

@@ -44,7 +44,9 @@ from rlray.config import Config
 from rlray.config.resources import needs
 from rlray.data.packing import pack
 from rlray.envs import load_envs
+from rlray.envs.images import vision_prompt
 from rlray.envs.sft import SFTData
+from rlray.models.multimodal import is_vision
 from rlray.models.tiny import model_path
 from rlray.orchestration import checkpoint, cluster, preemption, recovery
 from rlray.orchestration.calls import get_all
@@ -66,11 +68,13 @@ class Controller:
         self.run_dir = Path(c.run.dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "config.yaml").write_text(yaml.safe_dump(_config_dict(c), sort_keys=False))
-        from transformers import AutoTokenizer
+        from transformers import AutoConfig, AutoTokenizer
 
-        self.tokenizer = AutoTokenizer.from_pretrained(model_path(c.model))
-        self.sft_data = SFTData(load_envs(c.env), self.tokenizer, resolve_chat_template(c.env, self.tokenizer),
-                                c.run.seed)
+        path = model_path(c.model)
+        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        template = resolve_chat_template(c.env, self.tokenizer)
+        vision = vision_prompt(path, template, c.rollout.max_images) if is_vision(AutoConfig.from_pretrained(path)) else None
+        self.sft_data = SFTData(load_envs(c.env), self.tokenizer, template, c.run.seed, vision)
         self.metrics = Metrics(self.run_dir, c.logging, _config_dict(c))
         self.summary: dict[str, Any] = {"run_dir": str(self.run_dir)}
         self.ckpt_root = self.run_dir / "checkpoints"

@@ -202,3 +202,54 @@ def test_tiny_vision_model_folder_loads_with_its_processor(trainer: VisionTraine
     processor = AutoProcessor.from_pretrained(path)
     assert type(processor).__name__ == "Qwen3VLProcessor"
     assert processor.tokenizer.convert_tokens_to_ids("<|image_pad|>") == trainer.model.config.image_token_id
+
+
+def test_a_vision_environment_through_the_env_runner(loop_thread: LoopThread, engine: Engine,
+                                                     trainer: VisionTrainer) -> None:
+    """largest_shape's rows on the runner's fast path: the processor's ids and the images reach the
+    engine, each rollout carries its group's images for the trainer and its logprobs are transformers'
+    (the last sync left the trainer's weights in the engine); unreadable images, too many images and
+    images for a text-only model are an ImageError per rollout, counted."""
+    import numpy as np
+
+    from rlray.config import EnvConfig
+    from rlray.envs.base import Env
+    from rlray.envs.builtin.largest_shape import load_environment
+    from rlray.envs.images import VisionPrompt, split_images
+    from rlray.envs.runner import EnvRunner
+
+    env = Env("largest_shape", load_environment(num_train=4, num_eval=2))
+    tok = trainer.processor.tokenizer
+
+    from rlray.envs.bridge import TurnBridge
+    from rlray.envs.client import make_clients
+
+    # the fast path samples from the engine directly; verifiers' state wants a client all the same
+    client = make_clients("http://127.0.0.1:9/v1", 10.0, TurnBridge(trainer.processor.tokenizer, None), 512, n=1)[0]
+
+    def runner(vision: VisionPrompt | None) -> EnvRunner:
+        return EnvRunner([(env, 1.0)], engine, tok, [client], EnvConfig(), version=lambda: 0, vision=vision)
+
+    run = runner(VisionPrompt(trainer.processor, None, max_images=1))
+    row = env.row("train", 1)
+    rollouts = loop_thread.run(run.group(env, row, 3, 0.7, 6, seed=5))
+    assert [r.error for r in rollouts] == [None] * 3 and all(r.images is rollouts[0].images for r in rollouts)
+    messages, pictures = split_images(row["prompt"])
+    prompt = trainer.prompt(messages, pictures)
+    assert rollouts[0].prompt_ids.tolist() == prompt.ids
+    images = rollouts[0].images
+    assert np.array_equal(images.pixel_values, prompt.inputs["pixel_values"].numpy())
+    assert images.spans.tolist() == [[prompt.ids.index(engine.image_pad), prompt.ids.count(engine.image_pad)]]
+    for r in rollouts:
+        assert max_diff(r.logprobs, trainer.logprobs_with(prompt, r.completion_ids.tolist(), 0.7)) < 1e-3
+
+    unreadable = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    broken = {**row, "prompt": [{"role": "user", "content": [unreadable, {"type": "text", "text": "?"}]}]}
+    two = {**row, "prompt": [{"role": "user", "content": [*row["prompt"][0]["content"][:1]] * 2}]}
+    for bad, text in ((broken, "message 0 part 0: cannot read the image"), (two, "over the engine's limit of 1")):
+        out = loop_thread.run(run.group(env, bad, 2, 0.7, 6))
+        assert all(r.error.startswith("ImageError: ") and text in r.error and r.loss_mask.sum() == 0 for r in out)
+    assert run.counts["errors/ImageError"] == 4
+    text_only = runner(None)
+    out = loop_thread.run(text_only.group(env, row, 2, 0.7, 6))
+    assert all("model.name must be a vision-language model" in r.error for r in out)

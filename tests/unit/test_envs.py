@@ -36,6 +36,10 @@ def test_builtin_envs_load_by_id_with_disjoint_splits(env_id: str) -> None:
     assert env.example("train", 3) == env.example("train", 3)  # deterministic
     if env_id == "guess_number":  # one prompt; the splits differ in their secrets
         assert [e.answer for e in train] != [e.answer for e in evals]
+    elif env_id == "largest_shape":  # one question; the splits differ in their pictures
+        def pictures(split: str) -> set[str]:
+            return {str(env.row(split, i)["prompt"]) for i in range(20)}
+        assert len(pictures("train")) == 20 and pictures("train").isdisjoint(pictures("eval"))
     else:
         assert {e.prompt for e in train}.isdisjoint({e.prompt for e in evals}) or env_id == "arithmetic"
     assert env.example("train", 53).prompt == env.example("train", 3).prompt  # index modulo the split

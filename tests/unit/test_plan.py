@@ -153,7 +153,10 @@ def test_a_mistyped_head_dim_in_the_catalog_is_caught(name: str, head_dim: int) 
     from transformers import AutoConfig
 
     entry = CATALOG[name]
-    wrong = AutoConfig.for_model(entry.model_type, **{**entry.values, "head_dim": head_dim})
+    values = {**entry.values, "head_dim": head_dim}
+    if "text_config" in values:  # a vision-language model: the language model's head_dim
+        values = {**entry.values, "text_config": {**entry.values["text_config"], "head_dim": head_dim}}
+    wrong = AutoConfig.for_model(entry.model_type, **values)
     assert published_mismatch(entry, model_shape(wrong, name))
 
 
@@ -166,3 +169,13 @@ def test_the_plan_carries_routing_per_token_and_refuses_replay_on_a_dense_model(
     assert dense.problems() == [("trainer.router_replay=true but the Qwen3ForCausalLM model has no experts; set "
                                  "trainer.router_replay=false")]
     assert "routing:" not in dense.render()
+
+
+def test_the_vlm_recipe_plans_the_vision_language_class_and_its_twin_composes() -> None:
+    plan = make_plan(composed("+recipe=vlm"))
+    assert plan.shape.arch == "Qwen3VLForConditionalGeneration" and plan.problems() == []
+    assert "Qwen/Qwen3-VL-8B-Instruct (Qwen3VLForConditionalGeneration): 8.77B parameters" in plan.render()
+    twin = composed("+recipe=vlm", "+twin=cpu")
+    assert (twin.model.name, twin.model.arch, twin.trainer.ep, twin.env.mix[0].id) == ("tiny", "qwen3_vl", 1,
+                                                                                        "largest_shape")
+    assert make_plan(twin).shape.arch == "Qwen3VLForConditionalGeneration"

@@ -1,0 +1,155 @@
+"""Images in the data path (rollouts, packing) and the transformers attributes rlray.models.multimodal uses."""
+
+from __future__ import annotations
+
+import inspect
+import pickle
+
+import numpy as np
+import pytest
+import torch
+
+from rlray.data.packing import Sample, pack
+from rlray.models import multimodal
+from rlray.models.vision import placeholder_spans
+from rlray.types import Group, Images, Rollout
+
+PAD = 7
+
+
+def images(n: int, first: int, tokens: int = 2) -> Images:
+    """`n` images of `tokens` placeholders each, the first at position `first`, a gap of 3 between."""
+    spans = np.array([[first + k * (tokens + 3), tokens] for k in range(n)], np.int64)
+    pixels = np.arange(n * tokens * 4 * 5, dtype=np.float32).reshape(n * tokens * 4, 5) + 1000 * first
+    return Images(pixels, np.tile([[1, 2, 2 * tokens]], (n, 1)).astype(np.int64), spans)
+
+
+def sample(prompt_len: int, im: Images | None) -> Sample:
+    prompt = np.arange(prompt_len) % 5 + 10
+    if im is not None:
+        prompt[im.mask(prompt_len)] = PAD
+    return Sample(prompt, np.array([1, PAD, 2]), np.ones(3, np.float32), 1.0, np.zeros(3, np.float32), images=im)
+
+
+def test_placeholder_spans_are_the_runs_of_image_pads() -> None:
+    ids = [1, PAD, PAD, PAD, 2, 3, PAD, 4, PAD, PAD]
+    assert placeholder_spans(ids, PAD).tolist() == [[1, 3], [6, 1], [8, 2]]
+    assert placeholder_spans([1, 2], PAD).shape == (0, 2)
+    with pytest.raises(ValueError, match="2 image grids but 1 placeholder spans"):
+        Images(np.zeros((8, 5), np.float32), np.ones((2, 3), np.int64), np.zeros((1, 2), np.int64))
+
+
+@pytest.mark.parametrize("packed", [True, False])
+def test_a_micro_batch_carries_its_sequences_images_in_placeholder_order(packed: bool) -> None:
+    a, b, c = sample(20, images(2, 3)), sample(12, None), sample(10, images(1, 2))
+    mbs = pack([a, b, c], 1, micro_batch_tokens=200, pad_id=0, packed=packed)[0]
+    pixels = [m.pixel_values for m in mbs if m.pixel_values is not None]
+    assert np.array_equal(np.concatenate(pixels), np.concatenate([a.images.pixel_values, c.images.pixel_values]))
+    for m in mbs:
+        if m.image_mask is None:
+            assert m.pixel_values is None and m.image_grid_thw is None
+            continue
+        # the mask marks exactly the placeholders of the prompts (never the sampled pad in a completion)
+        assert m.image_mask.sum() == len(m.pixel_values) // 4 == (m.input_ids == PAD).sum() - m.segment_ids.max() - 1
+        assert (m.input_ids[m.image_mask] == PAD).all()
+    assert sum(len(m.image_grid_thw) for m in mbs if m.image_grid_thw is not None) == 3
+
+
+def test_the_rollouts_of_a_group_carry_its_images_once() -> None:
+    im = Images(np.random.default_rng(0).random((4096, 64), np.float32), np.array([[1, 64, 64]]), np.array([[1, 1024]]))
+
+    def rollout(shared: Images) -> Rollout:
+        return Rollout(np.zeros(1100, np.int64), np.zeros(10, np.int64), np.zeros(10, np.float32), np.ones(10, np.int8),
+                       np.zeros(10, np.int64), images=shared)
+
+    one = len(pickle.dumps(Group([rollout(im)])))
+    eight = len(pickle.dumps(Group([rollout(im) for _ in range(8)])))
+    assert eight < 1.1 * one and one > im.pixel_values.nbytes
+
+
+def test_a_text_model_refuses_image_micro_batches_in_one_line() -> None:
+    with pytest.raises(ValueError, match="model.name must be a vision-language model"):
+        multimodal.forward_kwargs(torch.nn.Linear(1, 1), {"images": {"pixel_values": None}, "position_ids": None})
+
+
+def test_transformers_attributes_the_trainer_uses() -> None:
+    from transformers import AutoModelForImageTextToText, Qwen3VLConfig
+    from transformers.models.qwen3_vl import modeling_qwen3_vl as qwen3_vl
+
+    assert list(inspect.signature(qwen3_vl.Qwen3VLModel.get_rope_index).parameters)[:4] == [
+        "self", "input_ids", "mm_token_type_ids", "image_grid_thw"]
+    # the placeholders are asked of the instance (rlray overrides it there) and only there
+    forward = inspect.getsource(qwen3_vl.Qwen3VLModel.forward)
+    assert "self.get_placeholder_mask(" in forward and "== self.config.image_token_id" not in forward
+    config = Qwen3VLConfig(text_config={"num_hidden_layers": 1, "hidden_size": 32, "intermediate_size": 32,
+                                        "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16,
+                                        "rope_parameters": {"rope_type": "default", "mrope_section": [4, 2, 2]}},
+                           vision_config={"depth": 1, "hidden_size": 32, "num_heads": 2, "out_hidden_size": 32})
+    vc = config.vision_config
+    assert all(isinstance(getattr(vc, k), int) for k in ("spatial_merge_size", "in_channels", "temporal_patch_size",
+                                                          "patch_size"))
+    with torch.device("meta"):
+        model = AutoModelForImageTextToText.from_config(
+            config, attn_implementation={"": "eager", "text_config": "eager", "vision_config": "sdpa"})
+    assert multimodal.is_vision(config) and multimodal.vision_tower(model) is model.model.visual
+    assert model.config.text_config._attn_implementation == "eager"
+    assert model.config.vision_config._attn_implementation == "sdpa"
+    from rlray.parallel.parallelize import decoder_layers, vision_units
+
+    assert decoder_layers(model) is model.model.language_model.layers
+    assert vision_units(model)[-1] is model.model.visual and len(vision_units(model)) == 2
+
+
+def test_environment_image_parts_are_read_or_refused_in_one_line() -> None:
+    from PIL import Image
+
+    from rlray.envs.images import ImageError, encode_png, has_images, split_images
+
+    red = Image.new("RGB", (8, 6), "red")
+    url = encode_png(red)
+    messages = [{"role": "system", "content": "s"},
+                {"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}, "text": None},
+                                             {"type": "text", "text": "a", "image_url": None},
+                                             {"type": "image", "image": red.convert("L")}]}]
+    out, images = split_images(messages)
+    assert has_images(messages) and not has_images([{"role": "user", "content": "x"}]) and not has_images("x")
+    assert out[1]["content"] == [{"type": "image"}, {"type": "text", "text": "a"}, {"type": "image"}]
+    assert [im.size for im in images] == [(8, 6), (8, 6)] and images[0].getpixel((0, 0)) == (255, 0, 0)
+    for bad, text in (("http://x/y.png", "not 'http://x/y.png'"), ("data:image/png;base64,%%%", "not base64"),
+                      ("data:image/png;base64,AAAA", "cannot read the image"), (3, "not a int")):
+        with pytest.raises(ImageError, match="message 0 part 0: ") as e:
+            split_images([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": bad}}]}])
+        assert text in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_vision_prompt_is_the_processors_ids_and_images() -> None:
+    from PIL import Image
+
+    from rlray.envs.images import ImageError, VisionPrompt
+    from rlray.models import vision
+
+    tok = vision.vision_tokenizer()
+    processor = vision.VISION_ARCHS["qwen3_vl"][1](tok)
+    prompt = VisionPrompt(processor, None, max_images=1)
+    ids, images, im = prompt.render([{"role": "user", "content": [{"type": "image", "image": Image.new("RGB", (64, 32))},
+                                                                  {"type": "text", "text": "hi"}]}])
+    pad = tok.convert_tokens_to_ids("<|image_pad|>")
+    assert im.grid_thw.tolist() == [[1, 2, 4]] and ids.count(pad) == 2 == im.spans[0, 1]  # 2 x 4 patches, merged 2x2
+    assert len(images) == 1 and im.pixel_values.shape == (8, 3 * 2 * 16 * 16) and ids[im.spans[0, 0]] == pad
+    text_ids, none, no_images = prompt.render([{"role": "user", "content": "hi"}])
+    assert none == [] and no_images is None and pad not in text_ids
+    two = [{"type": "image", "image": Image.new("RGB", (32, 32))}] * 2
+    with pytest.raises(ImageError, match="2 images, over the engine's limit of 1 \\(rollout.max_images\\)"):
+        prompt.render([{"role": "user", "content": two}])
+
+
+def test_the_cpu_twin_takes_ep_and_task_from_the_family() -> None:
+    from rlray.config.compose import twin
+    from rlray.models.tiny import ARCHS
+    from rlray.models.vision import VISION_ARCHS
+
+    assert [twin("ep", a) for a in ("glm4_moe", "qwen3_moe", "qwen3", None, "qwen3_vl")] == [2, 2, 1, 1, 1]
+    assert twin("mix", "qwen3_vl")[0]["id"] == "largest_shape" and twin("mix", "glm4_moe") == [{"id": "reverse_text"}]
+    # the naming rule the twin relies on holds for every tiny family
+    assert all(a.endswith("_vl") for a in VISION_ARCHS) and not any(a.endswith("_vl") for a in ARCHS)
+    assert {a for a in ARCHS if a.endswith("_moe")} == {"qwen3_moe", "glm4_moe"}
