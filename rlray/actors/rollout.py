@@ -138,7 +138,8 @@ class RolloutActor:
         self.server = await OpenAIServer.start(self.engine, host=self.env_cfg.server_host,
                                                port=self.env_cfg.server_port, chat_template=template,
                                                tool_call_parser=parser or None)
-        self.clients = make_clients(self.server.url, self.env_cfg.rollout_timeout_s, bridge, self.cfg.max_model_len)
+        self.clients = make_clients(self.server.url, self.env_cfg.rollout_timeout_s, bridge, self.cfg.max_model_len,
+                                    vision=vision)
         self.runner = EnvRunner(envs, self.engine, self.tokenizer, self.clients, self.env_cfg,
                                 version=lambda: self.version, server=self.server, chat_template=template,
                                 num_actors=self.num_actors, run_seed=self.run_seed, vision=vision)

@@ -12,6 +12,9 @@ Contract:
   images for the engine and the pixel values, grids and placeholder spans for the trainer
   (rlray.types.Images). More than `max_images` images is an `ImageError` (vLLM's
   `limit_mm_per_prompt`). Without images it renders as the tokenizer alone does.
+  `images(images, ids, sampled)`: the trainer's `Images` of a multi-turn conversation's ids (vLLM's,
+  pads expanded) and its images in order; image pads the model sampled are not placeholders. Runs of
+  pads that do not match the images' sizes are an `ImageError`.
 """
 
 from __future__ import annotations
@@ -40,6 +43,8 @@ def _read(value: Any, where: str) -> Any:
         return value.convert("RGB")
     if isinstance(value, dict):
         value = value.get("url")
+    elif hasattr(value, "url"):  # verifiers' ImageUrlSource
+        value = value.url
     if isinstance(value, str):
         if not value.startswith("data:") or ";base64," not in value:
             raise ImageError(f"{where}: an image is a PIL image, bytes or a base64 data URL, not {value[:40]!r}")
@@ -111,6 +116,21 @@ class VisionPrompt:
         ids = [int(i) for i in inputs["input_ids"][0]]
         return ids, images, Images(inputs["pixel_values"].astype(np.float32),
                                    inputs["image_grid_thw"].astype(np.int64), placeholder_spans(ids, self.pad))
+
+
+    def images(self, images: list[Any], ids: list[int], sampled: list[bool]) -> Images:
+        """A conversation's images for the trainer: `ids` its tokens (every image's pads expanded, as vLLM
+        returned them), `sampled` which of them the model sampled (an image pad there is a plain token)."""
+        pads = [i if not s else -1 for i, s in zip(ids, sampled)]
+        spans = placeholder_spans(pads, self.pad)
+        inputs = self.processor.image_processor(images=images, return_tensors="np")
+        grids = inputs["image_grid_thw"].astype(np.int64)
+        merge = getattr(self.processor.image_processor, "merge_size", 1)
+        want = [int(g.prod()) // merge ** 2 for g in grids]
+        if [int(n) for _, n in spans] != want:
+            raise ImageError(f"the conversation's image placeholders {[int(n) for _, n in spans]} do not match its "
+                             f"{len(images)} images' sizes {want}")
+        return Images(inputs["pixel_values"].astype(np.float32), grids, spans)
 
 
 def vision_prompt(path: str, chat_template: str | None, max_images: int) -> VisionPrompt:

@@ -42,11 +42,13 @@ Contract:
   overridden rollout hooks) skips HTTP: the prompt is rendered with the same chat template
   the endpoint uses, the engine samples all n completions in one request, and the env's
   rubric scores them exactly as it scores HTTP rollouts. Everything else goes over HTTP.
-- Images (a vision-language model, `vision`: rlray.envs.images.VisionPrompt): a single-turn prompt's
-  image parts go to the engine with the processor's ids (placeholders expanded) and ride on each
-  rollout for the trainer (`Rollout.images`, one object per group); an image that cannot be read, too
-  many images, images for a text-only model or on the HTTP route give that group's rollouts the
-  error "ImageError: ..." (counted, never trained on).
+- Images (a vision-language model, `vision`: rlray.envs.images.VisionPrompt): on the fast path a
+  prompt's image parts go to the engine with the processor's ids (placeholders expanded) and ride on
+  each rollout for the trainer (`Rollout.images`, one object per group); over HTTP (multi-turn, user
+  turns with images) the client sends them token in (rlray.envs.client) and each rollout carries the
+  images of its last turn's prompt, placed on vLLM's expanded ids. An image that cannot be read, too
+  many images or images for a text-only model give that rollout the error "ImageError: ..." (counted,
+  never trained on).
 - `evaluate(env, indices, n, temperature, max_tokens)` runs rows of the eval split and
   returns one record per example (prompt, answer, completions, rewards, errors).
 """
@@ -63,16 +65,15 @@ from typing import Any
 import numpy as np
 
 from rlray.envs.base import SERVED_MODEL, Env, biased_sampling_args, prompt_text, render_prompt
-from rlray.envs.images import ImageError, VisionPrompt, has_images
+from rlray.envs.images import ImageError, VisionPrompt, has_images, split_images
 from rlray.envs.instrument import CURRENT, ToolTimeoutError, Tracker, error_kind, instrument_env
 from rlray.envs.v1 import V1Env
 from rlray.envs.v1_rollouts import v1_group
 from rlray.types import Images, Rollout, no_route, overlay_routing
 
 log = logging.getLogger(__name__)
-HTTP_IMAGES = ("images reach the engine on the single-turn fast path only so far: a single-turn environment "
-               "with env.fast_path=true")
-
+TEXT_ONLY = ("the prompt has images but the model is text-only: model.name must be a vision-language model for "
+             "this environment")
 
 
 # ---- the runner ---------------------------------------------------------------------
@@ -130,8 +131,8 @@ class EnvRunner:
         if self.uses_fast_path(env):
             trackers = await self._fast(env, row, n, temperature, max_tokens, sampling, client, seed)
             self.counts["fast_rollouts"] += n
-        elif has_images(row.get("prompt")):
-            trackers = [Tracker(self.version(), [f"ImageError: {HTTP_IMAGES}"]) for _ in range(n)]
+        elif self.vision is None and has_images(row.get("prompt")):
+            trackers = [Tracker(self.version(), [f"ImageError: {TEXT_ONLY}"]) for _ in range(n)]
         else:
             seeded = [sampling if seed is None else {**sampling, "seed": seed + j} for j in range(n)]
             trackers = await asyncio.gather(*(self._http(env, row, sp, client) for sp in seeded))
@@ -168,8 +169,7 @@ class EnvRunner:
         if self.vision is not None:
             return self.vision.render(messages)
         if has_images(messages):
-            raise ImageError("the prompt has images but the model is text-only: model.name must be a "
-                             "vision-language model for this environment")
+            raise ImageError(TEXT_ONLY)
         return self.render(messages), [], None
 
     # ---- the two paths ----------------------------------------------------------
@@ -189,7 +189,9 @@ class EnvRunner:
         finally:
             CURRENT.reset(token)
         err = tracker.state.get("error") if tracker.state is not None else None
-        if err is not None and not isinstance(err.__cause__, ToolTimeoutError):
+        if err is not None and isinstance(err.__cause__, ImageError):
+            tracker.errors.append(f"ImageError: {err.__cause__}")
+        elif err is not None and not isinstance(err.__cause__, ToolTimeoutError):
             cause = f" ({type(err.__cause__).__name__}: {err.__cause__})" if err.__cause__ else ""
             tracker.errors.append(f"EnvError: {type(err).__name__}: {err}{cause}")
         return tracker
@@ -328,6 +330,8 @@ class EnvRunner:
                 response.message.finish_reason if response is not None else "") or ""
             if step.get("is_truncated"):
                 finish = "length"
+        if t.images is None and turns and not t.errors and mismatch is None:
+            self._conversation_images(t, turns[-1][4], prompt + ids, [0] * len(prompt) + mask)
         failed = bool(t.errors)
         reward = 0.0 if failed or state is None else float(state.get("reward") or 0.0)
         metrics = (state.get("metrics") or {}) if state is not None else {}
@@ -355,6 +359,19 @@ class EnvRunner:
             routing=routing if routing is not None and len(routing) == len(prompt) + len(ids) else None,
             images=t.images,
         )
+
+    def _conversation_images(self, t: Tracker, last: Any, ids: list[int], mask: list[int]) -> None:
+        """An HTTP rollout's images: those of its last turn's prompt, on its ids (`mask` 1: sampled)."""
+        messages = last.get("prompt") or []
+        if not has_images(messages):
+            return
+        try:
+            if self.vision is None:
+                raise ImageError(TEXT_ONLY)
+            _, images = split_images(messages)
+            t.images = self.vision.images(images, ids, [m == 1 for m in mask])
+        except ImageError as e:
+            t.errors.append(f"ImageError: {e}")
 
 
 def share_prompt_routing(rollouts: list[Rollout]) -> None:

@@ -253,3 +253,72 @@ def test_a_vision_environment_through_the_env_runner(loop_thread: LoopThread, en
     text_only = runner(None)
     out = loop_thread.run(text_only.group(env, row, 2, 0.7, 6))
     assert all("model.name must be a vision-language model" in r.error for r in out)
+
+
+def test_a_multi_turn_environment_with_an_image_per_user_turn(loop_thread: LoopThread, engine: Engine,
+                                                              trainer: VisionTrainer) -> None:
+    """largest_shape with turns=2 over HTTP, token in: turn 2's user message brings a second image. Each
+    rollout lines up (no TokenMismatch), carries both images with their placeholders on vLLM's expanded
+    ids (the second image's in the environment's tokens, loss mask 0), and its sampled tokens' logprobs
+    are the trainer's forward over the whole conversation (rlray.models.multimodal), also where the model
+    sampled an image pad (a plain token in vLLM and the trainer alike)."""
+    import numpy as np
+
+    from rlray.actors.server import OpenAIServer
+    from rlray.config import EnvConfig
+    from rlray.envs.base import Env
+    from rlray.envs.bridge import TurnBridge
+    from rlray.envs.builtin.largest_shape import load_environment
+    from rlray.envs.client import make_clients
+    from rlray.envs.images import VisionPrompt
+    from rlray.envs.runner import EnvRunner
+    from rlray.models.multimodal import forward_kwargs
+
+    env = Env("largest_shape", load_environment(num_train=4, num_eval=2, turns=2))
+    tok = trainer.processor.tokenizer
+    server = loop_thread.run(OpenAIServer.start(engine, chat_template=vision.CHAT_TEMPLATE))
+    prompt = VisionPrompt(trainer.processor, vision.CHAT_TEMPLATE, max_images=2)
+    try:
+        clients = make_clients(server.url, 120, TurnBridge(tok, vision.CHAT_TEMPLATE), 512, n=1, vision=prompt)
+        runner = EnvRunner([(env, 1.0)], engine, tok, clients, EnvConfig(), version=lambda: 0, server=server,
+                           chat_template=vision.CHAT_TEMPLATE, vision=prompt)
+        # the random model often runs a turn to max_tokens, which ends its game (turn_truncated)
+        rollouts = loop_thread.run(runner.group(env, env.row("train", 2), 8, 1.0, 40, seed=11), timeout=300)
+        one = make_clients(server.url, 120, TurnBridge(tok, vision.CHAT_TEMPLATE), 512, n=1,
+                           vision=VisionPrompt(trainer.processor, vision.CHAT_TEMPLATE, max_images=1))
+        limited = EnvRunner([(env, 1.0)], engine, tok, one, EnvConfig(), version=lambda: 0, server=server,
+                            chat_template=vision.CHAT_TEMPLATE, vision=prompt)
+        over = loop_thread.run(limited.group(env, env.row("train", 2), 8, 1.0, 40, seed=11), timeout=300)
+    finally:
+        loop_thread.run(server.stop(), timeout=30)
+    assert runner.counts["http_rollouts"] == 8 and runner.counts["errors"] == 0, [r.error for r in rollouts]
+    two = [r for r in rollouts if r.turns == 2]
+    assert len(two) >= 2 and all(r.stop in ("max_turns_reached", "turn_truncated") for r in two)
+    # the random model samples image pads; they stay plain tokens, not placeholders
+    assert sum(int((r.completion_ids[r.loss_mask == 1] == engine.image_pad).sum()) for r in two) > 0
+    merged = vision.MERGE ** 2
+    for r in two:
+        ids = [*r.prompt_ids.tolist(), *r.completion_ids.tolist()]
+        mask = np.concatenate([np.zeros(len(r.prompt_ids)), r.loss_mask])
+        images = r.images
+        assert [int(g.prod()) // merged for g in images.grid_thw] == images.spans[:, 1].tolist()
+        (first, n0), (second, n1) = images.spans.tolist()
+        assert second + n1 > len(r.prompt_ids) > first + n0  # the second image came with the env's turn
+        assert set(ids[second:second + n1]) == {engine.image_pad} and mask[second:second + n1].sum() == 0
+        t = {"input_ids": torch.tensor([ids]), "position_ids": torch.arange(len(ids))[None],
+             "images": {"pixel_values": torch.from_numpy(images.pixel_values),
+                        "image_grid_thw": torch.from_numpy(images.grid_thw),
+                        "image_mask": torch.from_numpy(images.mask(len(ids)))[None]}}
+        with torch.no_grad():
+            logits = trainer.model(input_ids=t["input_ids"], **forward_kwargs(trainer.model, t)).logits[0]
+        lp = torch.log_softmax(logits[:-1].float(), -1).gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
+        sampled = np.flatnonzero(mask[1:] == 1)
+        assert len(sampled) > 0 and max_diff(r.logprobs[r.loss_mask == 1], lp[sampled]) < 1e-3
+    # the same draws with rollout.max_images=1: a second turn's second picture is one line, counted
+    assert [r.error is not None for r in over] == [r.turns == 2 for r in rollouts]
+    assert all(r.error == "ImageError: the conversation has 2 images, over the engine's limit of 1 "
+               "(rollout.max_images)" for r in over if r.error) and limited.counts["errors/ImageError"] == len(two)
+    text_only = EnvRunner([(env, 1.0)], engine, tok, clients, EnvConfig(), version=lambda: 0)
+    out = loop_thread.run(text_only.group(env, env.row("train", 0), 2, 0.7, 5))
+    assert all(r.error.startswith("ImageError: ") and "model.name must be a vision-language model" in r.error
+               for r in out)

@@ -142,6 +142,40 @@ def test_a_vision_prompt_is_the_processors_ids_and_images() -> None:
     with pytest.raises(ImageError, match="2 images, over the engine's limit of 1 \\(rollout.max_images\\)"):
         prompt.render([{"role": "user", "content": two}])
 
+    # a conversation's images on ids a model sampled into: a sampled pad (position 9) is no placeholder
+    (a, b) = Image.new("RGB", (64, 32)), Image.new("RGB", (32, 32))
+    conv = [7, pad, pad, 7, 5, 6, 6, 7, 8, pad, 7, pad, 7]
+    sampled = [False] * 8 + [True, True] + [False] * 3
+    got = prompt.images([a, b], conv, sampled)
+    assert got.spans.tolist() == [[1, 2], [11, 1]] and got.grid_thw.tolist() == [[1, 2, 4], [1, 2, 2]]
+    with pytest.raises(ImageError, match=r"placeholders \[2, 1, 1\] do not match its 2 images' sizes \[2, 1\]"):
+        prompt.images([a, b], conv, [False] * len(conv))
+
+
+def test_largest_shape_over_several_turns_asks_each_picture_in_turn() -> None:
+    """turns=2: the env's reply to the first answer is a user message with the second picture; the row's
+    answer is the first colour (the SFT target), the reward the fraction of the pictures answered."""
+    import asyncio
+
+    from rlray.envs import load_env
+    from rlray.envs.builtin.largest_shape import QUESTION, picture
+    from rlray.envs.images import split_images
+
+    env = load_env("largest_shape", {"num_train": 4, "num_eval": 2, "turns": 2})
+    assert not env.fast_path_ok
+    row = env.row("train", 1)
+    (first, one), (second, two) = picture("train", 2), picture("train", 3)
+    assert row["answer"] == one and row["info"]["answers"] == [one, two]
+    assert split_images(row["prompt"])[1][0].tobytes() == first.tobytes()
+    said = [{"role": "assistant", "content": one}]
+    reply = asyncio.run(env.vf.env_response([*row["prompt"], *said], {"info": row["info"]}))
+    assert reply[0].content[1].text == QUESTION and split_images(reply)[1][0].tobytes() == second.tobytes()
+    rubrics = [env.vf.rubric, *getattr(env.vf.rubric, "rubrics", [])]  # MultiTurnEnv adds its own rubric
+    (score,) = [f for r in rubrics for f in r.funcs if f.__name__ == "correct"]
+    wrong = "blue" if two != "blue" else "red"
+    assert score(completion=[*said, {"role": "user", "content": "?"}, {"role": "assistant", "content": wrong}],
+                 info=row["info"]) == 0.5
+
 
 def test_the_cpu_twin_takes_ep_and_task_from_the_family() -> None:
     from rlray.config.compose import twin

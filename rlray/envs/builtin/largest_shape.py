@@ -6,6 +6,10 @@ OpenAI `image_url` part holding a PNG data URL) and the question `largest?`; ans
 reward = 1 when the completion, stripped, is exactly the answer, else 0. Train and eval pictures come
 from disjoint seeds; picture i of a split is the same on every node. Needs a vision-language model
 (`model.arch=qwen3_vl` for the tiny one); a text-only model's rollouts of it fail in one line each.
+With `turns` > 1 it is a multi-turn game (a verifiers `MultiTurnEnv`): after each answer the
+environment replies with the next picture as a user message (image part + `largest?`) until `turns`
+pictures were asked; reward = the fraction answered exactly. The row's answer is the first picture's
+colour (the SFT target, rlray.envs.sft), `info["answers"]` all of them.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ import math
 import random
 from typing import Any
 
-from rlray.envs.base import exact_match
+from rlray.envs.base import exact_match, message_text
 from rlray.envs.images import encode_png
 
 COLOURS = {"red": (220, 30, 30), "green": (30, 170, 60), "blue": (40, 60, 220), "yellow": (230, 200, 20)}
@@ -59,25 +63,51 @@ def _place(rng: random.Random, sides: list[int], size: int, tries: int = 50) -> 
     return boxes
 
 
+def question(image: Any) -> list[dict[str, Any]]:
+    """A user message's parts asking about `image`."""
+    return [{"type": "image_url", "image_url": {"url": encode_png(image)}}, {"type": "text", "text": QUESTION}]
+
+
 def load_environment(size: int = 64, shapes: int = 2, seed: int = 0, margin: float = 1.3, num_train: int = 5_000,
-                     num_eval: int = 500, **kwargs: Any):
+                     num_eval: int = 500, turns: int = 1, **kwargs: Any):
     import verifiers as vf
     from datasets import Dataset
 
     if not 2 <= shapes <= len(COLOURS):
         raise ValueError(f"largest_shape: shapes must be in [2, {len(COLOURS)}], got {shapes}")
+    if turns < 1:
+        raise ValueError(f"largest_shape: turns must be >= 1, got {turns}")
 
     def rows(split: str, n: int):
         def build() -> Dataset:
-            prompts, answers = [], []
+            prompts, answers, later = [], [], []
             for i in range(n):
-                image, answer = picture(split, i, size, shapes, seed, margin)
-                prompts.append([{"role": "user", "content": [
-                    {"type": "image_url", "image_url": {"url": encode_png(image)}},
-                    {"type": "text", "text": QUESTION}]}])
-                answers.append(answer)
-            return Dataset.from_dict({"prompt": prompts, "answer": answers, "example_id": list(range(n))})
+                drawn = [picture(split, i * turns + k, size, shapes, seed, margin) for k in range(turns)]
+                prompts.append([{"role": "user", "content": question(drawn[0][0])}])
+                answers.append(drawn[0][1])
+                later.append({"pictures": [encode_png(image) for image, _ in drawn[1:]], "answers": [a for _, a in drawn]})
+            columns = {"prompt": prompts, "answer": answers, "example_id": list(range(n))}
+            return Dataset.from_dict(columns if turns == 1 else {**columns, "info": later})
         return build
 
-    return vf.SingleTurnEnv(dataset=rows("train", num_train), eval_dataset=rows("eval", num_eval),
-                            rubric=vf.Rubric(funcs=[exact_match]), **kwargs)
+    if turns == 1:
+        return vf.SingleTurnEnv(dataset=rows("train", num_train), eval_dataset=rows("eval", num_eval),
+                                rubric=vf.Rubric(funcs=[exact_match]), **kwargs)
+
+    def correct(completion: Any, info: dict, **_: Any) -> float:
+        said = [message_text(m).strip() for m in completion or [] if _role(m) == "assistant"]
+        return sum(s == a for s, a in zip(said, info["answers"])) / turns
+
+    class LargestShapes(vf.MultiTurnEnv):
+        async def env_response(self, messages: Any, state: Any, **_: Any) -> Any:
+            asked = sum(_role(m) == "assistant" for m in messages)
+            url = state["info"]["pictures"][asked - 1]
+            return [vf.UserMessage(content=[{"type": "image_url", "image_url": {"url": url}},
+                                            {"type": "text", "text": QUESTION}])]
+
+    return LargestShapes(dataset=rows("train", num_train), eval_dataset=rows("eval", num_eval),
+                         rubric=vf.Rubric(funcs=[correct]), max_turns=turns, **kwargs)
+
+
+def _role(message: Any) -> Any:
+    return message.get("role") if isinstance(message, dict) else getattr(message, "role", None)
