@@ -5,7 +5,9 @@ test_engine_sync. Prompts are built by the model's own processor (image pads exp
 gets those ids and the PIL images. Checked: sampled and scored logprobs equal transformers' (fp32,
 1e-3) for one image and for a two-turn conversation with an image per user turn; after a weight
 sync that changes the vision tower they differ first and agree after, also for an image the engine
-encoded before the sync; a request generating across the sync keeps its tokens' versions.
+encoded before the sync; a request generating across the sync keeps its tokens' versions. Last,
+rlray's own trainer (its sharded build) takes the weight group: the engine scores as it does after
+each sync, and differs between a training step and the next sync.
 """
 
 from __future__ import annotations
@@ -18,9 +20,10 @@ import pytest
 import torch
 
 from rlray.actors.engine import Engine
-from rlray.bench.common import LoopThread
+from rlray.bench.common import EngineClient, LoopThread
 from rlray.config import ModelConfig
 from rlray.models import vision
+from rlray.weightsync.transport import TrainerSpec
 from tests.engine.test_engine_sync import Trainer, max_diff, swap_weights, version_probe
 
 pytest.importorskip("vllm")
@@ -322,3 +325,55 @@ def test_a_multi_turn_environment_with_an_image_per_user_turn(loop_thread: LoopT
     out = loop_thread.run(text_only.group(env, env.row("train", 0), 2, 0.7, 5))
     assert all(r.error.startswith("ImageError: ") and "model.name must be a vision-language model" in r.error
                for r in out)
+
+
+def test_the_trainers_own_model_scores_as_the_engine_after_each_sync(loop_thread: LoopThread, engine: Engine,
+                                                                    trainer: VisionTrainer) -> None:
+    """rlray's trainer (TrainerActor: the sharded meta-device build, FSDP2 over the vision blocks and the
+    language model) takes the engine's weight group; after its sync the engine scores an image prompt as
+    the trainer's own forward does (1e-3), one RL step later they differ, and after the next sync they
+    agree again. Last in this module: the engine keeps the trainer's weights, not `trainer.model`'s."""
+    import numpy as np
+    import torch.distributed as dist
+
+    from rlray.actors.trainer import TrainerActor
+    from rlray.algo.loss import algo_config
+    from rlray.config import TrainerConfig
+    from rlray.data.layout import model_inputs
+    from rlray.data.packing import Sample, pack
+    from rlray.types import Images
+    from tests.engine.test_engine_sync import BUCKET_BYTES, free_port
+
+    prompt = trainer.prompt([user("<image>", "which colour?")], [BLUE])
+    completion = [trainer.processor.tokenizer.convert_tokens_to_ids(c) for c in "blue"]
+    images = Images(prompt.inputs["pixel_values"].numpy(), prompt.inputs["image_grid_thw"].numpy(),
+                    vision.placeholder_spans(prompt.ids, engine.image_pad))
+    n = len(completion)
+    sample = Sample(np.asarray(prompt.ids), np.asarray(completion), np.ones(n, np.float32), 1.0,
+                    np.full(n, -2.0, np.float32), images=images)
+    loop_thread.run(engine.shutdown_weight_transfer(), timeout=30)  # leave the transformers model's group
+    trainer.transfer.shutdown()
+    actor = TrainerActor(0, 1, f"127.0.0.1:{free_port()}", ModelConfig(name=str(trainer.path)),  # type: ignore[attr-defined]
+                         TrainerConfig(num_ranks=1), algo_config(loss="dapo"), "gloo", temperature=1.0)
+    actor.setup()
+    try:
+        actor.set_stage(lr=3e-2, warmup_steps=0)
+        actor.init_weight_group(TrainerSpec("gloo", "127.0.0.1", free_port(), 1 + engine.workers(), BUCKET_BYTES,
+                                            60.0), EngineClient(loop_thread, [engine], timeout_s=60.0))
+
+        def gap() -> float:
+            mb = pack([sample], 1, micro_batch_tokens=4096, pad_id=0)[0][0]
+            with torch.no_grad():
+                ours = actor.learner._token_logprobs(model_inputs(mb, actor.device), 1.0)[0, len(prompt.ids):len(sample)]
+            theirs = loop_thread.run(engine.score(prompt.ids + completion, len(prompt.ids), images=prompt.images))
+            return max_diff(theirs, ours)
+
+        actor.broadcast_weights(1)  # the engine held trainer.model's perturbed weights
+        assert gap() < 1e-3
+        actor.train_step(pack([sample], 1, micro_batch_tokens=4096, pad_id=0)[0])
+        assert gap() > 1e-2
+        actor.broadcast_weights(2)
+        assert gap() < 1e-3
+    finally:
+        actor.close_weight_group()
+        dist.destroy_process_group()
