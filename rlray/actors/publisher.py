@@ -11,7 +11,8 @@ rank 0, the bytes sent. With LoRA (`lora`, the adapters' PEFT config) an RL sync
 adapters (PEFT's names; the engines keep them, rlray.weightsync.lora), preceded by the base
 (checkpoint names) when the group's engines do not hold it yet (a new group: start, resume, a
 replaced engine); SFT's syncs (`stage`) move the base it trains. A frozen vision tower
-(`trainer.freeze_vision`) is never sent: every engine loads it from the same checkpoint. `close()` leaves the group
+(`trainer.freeze_vision`) is never sent: every engine loads it from the same checkpoint. Fused experts go
+in the layout of the family's checkpoints (transposed for Qwen3-VL-MoE, rlray.models.load). `close()` leaves the group
 (safe from another thread while a sync is in flight: the trainer's control thread). `source()`
 is the `WeightSource` vLLM's engines read.
 """
@@ -25,8 +26,10 @@ from typing import Any
 
 import torch
 
+from rlray.models.load import FUSED
 from rlray.models.lora import checkpoint_name, is_adapter, peft_name
 from rlray.models.multimodal import vision_tower
+from rlray.parallel.hf import experts_transposed_on_disk
 from rlray.weightsync.transport import TrainerSpec, on_default_stream
 
 
@@ -35,6 +38,8 @@ class WeightPublisher:
                  lora: dict[str, Any] | None = None, frozen_tower: bool = False) -> None:
         self.model, self.device, self.rank, self.wire_dtype = model, device, rank, wire_dtype
         self.lora = lora  # the adapters' PEFT config (rlray.models.lora.adapter_config); None: no LoRA
+        # a family whose checkpoints hold fused experts transposed is sent so: vLLM's loader reads that layout
+        self.transposed = experts_transposed_on_disk(getattr(getattr(model, "config", None), "model_type", ""))
         tower = vision_tower(model) if frozen_tower else None
         self.unsent = {id(p) for p in tower.parameters()} if tower is not None else set()
         self.transfer: Any = None  # this rank's TrainerWeightTransferEngine
@@ -59,14 +64,19 @@ class WeightPublisher:
         def gathered() -> Iterator[tuple[str, torch.Tensor]]:
             for name, p in self._sent():
                 p = p.detach() if dtype is None else p.detach().to(dtype)
-                yield name, p.full_tensor() if hasattr(p, "full_tensor") else p
+                full = p.full_tensor() if hasattr(p, "full_tensor") else p
+                yield name, full.transpose(1, 2).contiguous() if self._flipped(name) else full
 
         return on_default_stream(gathered(), self.device)
 
     def _wire_meta(self) -> list[Any]:
         from vllm.distributed.weight_transfer.base import ParamMeta
 
-        return [ParamMeta(n, self.wire_dtype or p.dtype, tuple(p.shape)) for n, p in self._sent()]
+        shape = lambda n, p: (p.shape[0], p.shape[2], p.shape[1]) if self._flipped(n) else tuple(p.shape)
+        return [ParamMeta(n, self.wire_dtype or p.dtype, shape(n, p)) for n, p in self._sent()]
+
+    def _flipped(self, name: str) -> bool:
+        return self.transposed and FUSED.match(name) is not None
 
     def source(self) -> Any:
         """Every parameter's metadata in the wire dtype, and a fresh gathered pass of the full tensors."""

@@ -17,8 +17,9 @@ Contract (every function is a collective: every rank of the trainer calls it):
   another size or another crc32. CRC32 streams at ~4 GB/s on one core here (sha256 ~1.7): a check
   costs a fraction of reading the shards back.
 - `export_hf(learner, path, rank, tokenizer_from, merged)`: rank 0 writes a transformers folder
-  (weights and the tokenizer of `tokenizer_from`) behind a barrier: trainer.collective_timeout_s
-  must cover the write. With LoRA: `path/adapter` (a PEFT adapter folder: adapter_config.json,
+  (weights in the layout of the family's checkpoints, and the tokenizer of `tokenizer_from`, or its
+  processor for a vision-language model) behind a barrier: trainer.collective_timeout_s must cover
+  the write. With LoRA: `path/adapter` (a PEFT adapter folder: adapter_config.json,
   adapter_model.safetensors) on its base, `path/base` when SFT trained it, and with `merged`
   `path/merged`, the adapters merged into the base.
 """
@@ -38,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from rlray.actors.learner import Learner
+from rlray.models.load import to_checkpoint_layout
 from rlray.models.lora import (
     adapted_modules,
     adapter_config,
@@ -46,6 +48,7 @@ from rlray.models.lora import (
     is_adapter,
     merged_tensors,
 )
+from rlray.models.multimodal import is_vision
 
 BASE = "lora_base"  # beside the checkpoints: the base SFT trained, for LoRA runs
 
@@ -189,9 +192,10 @@ def export_hf(learner: Learner, path: str, rank: int, tokenizer_from: str, merge
     model = learner.model
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if rank == 0:
-        from transformers import AutoTokenizer
+        from transformers import AutoProcessor, AutoTokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(tokenizer_from)
+        # a vision-language model's folder gets its processor (image processor, template, tokenizer)
+        tokenizer = (AutoProcessor if is_vision(model.config) else AutoTokenizer).from_pretrained(tokenizer_from)
         folders: dict[str, dict[str, torch.Tensor]] = {path: full}
         if _lora(learner):
             lora, out = learner.cfg.lora, Path(path)
@@ -203,6 +207,7 @@ def export_hf(learner: Learner, path: str, rank: int, tokenizer_from: str, merge
             tokenizer.save_pretrained(out / "adapter")
         for folder, tensors in folders.items():
             model.save_pretrained(folder, state_dict=tensors)
+            to_checkpoint_layout(folder)
             tokenizer.save_pretrained(folder)
     dist.barrier()
 

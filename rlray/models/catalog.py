@@ -59,11 +59,38 @@ QWEN3_VL_8B = {  # Qwen/Qwen3-VL-8B-Instruct: 8.77B, dense (the vlm recipe's mod
     "image_token_id": 151655, "video_token_id": 151656, "vision_start_token_id": 151652,
     "vision_end_token_id": 151653, "tie_word_embeddings": False,
 }
+QWEN3_VL_30B_A3B = {  # Qwen/Qwen3-VL-30B-A3B-Instruct: 31.1B total (the hub's count), about 3B active
+    "text_config": {"vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 48,
+                    "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "num_experts": 128,
+                    "num_experts_per_tok": 8, "moe_intermediate_size": 768, "decoder_sparse_step": 1,
+                    "mlp_only_layers": [], "norm_topk_prob": True, "max_position_embeddings": 262144,
+                    "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
+                    "rope_parameters": {"rope_type": "default", "rope_theta": 5000000.0, "mrope_section": [24, 20, 20],
+                                        "mrope_interleaved": True}},
+    "vision_config": {**QWEN3_VL_8B["vision_config"], "out_hidden_size": 2048},
+    "image_token_id": 151655, "video_token_id": 151656, "vision_start_token_id": 151652,
+    "vision_end_token_id": 151653, "tie_word_embeddings": False,
+}
+GLM45V = {  # zai-org/GLM-4.5V: GLM-4.5-Air's language model (12B active) and a 24-block vision tower; 108B on the hub
+    "text_config": {**{k: v for k, v in GLM45_AIR.items() if k not in ("rope_theta", "partial_rotary_factor")},
+                    "max_position_embeddings": 65536,
+                    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+                                        "mrope_section": [8, 12, 12]}},
+    "vision_config": {"depth": 24, "hidden_size": 1536, "intermediate_size": 10944, "num_heads": 12,
+                      "out_hidden_size": 4096, "patch_size": 14, "image_size": 336, "spatial_merge_size": 2,
+                      "temporal_patch_size": 2, "attention_bias": False, "hidden_act": "silu", "in_channels": 3},
+    "image_token_id": 151363, "video_token_id": 151364, "image_start_token_id": 151339, "image_end_token_id": 151340,
+    "video_start_token_id": 151341, "video_end_token_id": 151342, "tie_word_embeddings": False,
+}
 CATALOG: dict[str, Entry] = {
     "zai-org/GLM-4.5-Air": Entry("glm4_moe", GLM45_AIR, "106B", "12B", active_with_embeddings=False),
     "Qwen/Qwen3-30B-A3B": Entry("qwen3_moe", QWEN3_30B_A3B, "30.5B", "3.3B", active_with_embeddings=True),
     "Qwen/Qwen3-4B": Entry("qwen3", QWEN3_4B, "4.0B", "4.0B", active_with_embeddings=True),
     "Qwen/Qwen3-VL-8B-Instruct": Entry("qwen3_vl", QWEN3_VL_8B, "8.77B", "8.77B", active_with_embeddings=True),
+    "Qwen/Qwen3-VL-30B-A3B-Instruct": Entry("qwen3_vl_moe", QWEN3_VL_30B_A3B, "31.1B", "3B",
+                                            active_with_embeddings=True),
+    # its active figure is the language model's without embeddings, head and vision tower (the test's rule)
+    "zai-org/GLM-4.5V": Entry("glm4v_moe", GLM45V, "108B", "12B", active_with_embeddings=False),
 }
 
 

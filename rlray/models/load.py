@@ -11,7 +11,8 @@ checkpoint's dtype; with LoRA (`trainer.lora.rank > 0`, rlray.models.lora) the f
 in `trainer.lora.base_dtype` and the adapters, not in the checkpoint, start as PEFT's. Fused expert
 weights (`experts.gate_up_proj` (E, 2I, H), `experts.down_proj` (E, H, I)) load from either
 layout on disk: fused, or one tensor per expert (`experts.<e>.gate_proj.weight`, ...: what the hub
-checkpoints and transformers' `save_pretrained` write). `resident_bytes(model)` counts the parameter bytes this rank holds.
+checkpoints and transformers' `save_pretrained` write); a family whose checkpoints fuse them transposed
+(Qwen3-VL-MoE) is read so, and `to_checkpoint_layout(folder)` writes a saved model in that layout. `resident_bytes(model)` counts the parameter bytes this rank holds.
 """
 
 from __future__ import annotations
@@ -33,7 +34,12 @@ from rlray.models.lora import apply_lora, checkpoint_name, init_adapters, is_ada
 from rlray.models.multimodal import freeze_vision, is_vision
 from rlray.parallel import context
 from rlray.parallel.dims import ParallelDims
-from rlray.parallel.hf import init_non_persistent_buffers, register_attention
+from rlray.parallel.hf import (
+    experts_transposed_on_disk,
+    init_non_persistent_buffers,
+    register_attention,
+    text_positions_to_layers,
+)
 from rlray.parallel.parallelize import DTYPES, parallelize
 
 FUSED = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<param>gate_up_proj|down_proj)$")
@@ -90,6 +96,8 @@ def build_model(path: str, dims: ParallelDims, cfg: TrainerConfig, device: torch
         attention = {"": attention, "text_config": attention, "vision_config": "sdpa"}
     with torch.device("meta"):
         model = auto.from_config(config, dtype=torch.float32, attn_implementation=attention)
+    if vision:
+        text_positions_to_layers(model)
     if cfg.freeze_vision:
         freeze_vision(model)
     if cfg.lora.enabled:
@@ -100,7 +108,7 @@ def build_model(path: str, dims: ParallelDims, cfg: TrainerConfig, device: torch
     parallelize(model, dims, cfg)
     model.to_empty(device=device)
     init_non_persistent_buffers(model)
-    with SafetensorsReader(folder) as reader:
+    with SafetensorsReader(folder, experts_transposed_on_disk(config.model_type)) as reader:
         load_shards(model, reader)
     if cfg.lora.enabled:
         init_adapters(model, cfg.seed)
@@ -120,10 +128,26 @@ def _slices(box: Box) -> tuple[slice, ...]:
     return tuple(slice(o, o + s) for o, s in zip(*box))
 
 
-class SafetensorsReader:
-    """Slices of named tensors from a folder of safetensors files, fused experts included."""
+def to_checkpoint_layout(folder: str | Path) -> None:
+    """Rewrite the fused experts that transformers' `save_pretrained` wrote into `folder` in the layout of
+    the family's checkpoints, where that is transposed (rlray.parallel.hf.experts_transposed_on_disk)."""
+    from safetensors.torch import load_file, save_file
 
-    def __init__(self, folder: Path) -> None:
+    if not experts_transposed_on_disk(read_config(str(folder)).model_type):
+        return
+    for path in sorted(Path(folder).glob("*.safetensors")):
+        tensors = load_file(str(path))
+        if any(FUSED.match(k) for k in tensors):
+            save_file({k: v.transpose(1, 2).contiguous() if FUSED.match(k) else v for k, v in tensors.items()},
+                      str(path), metadata={"format": "pt"})
+
+
+class SafetensorsReader:
+    """Slices of named tensors from a folder of safetensors files, fused experts included (`transposed`:
+    stored as (E, H, 2I) and (E, I, H), read into transformers' (E, 2I, H) and (E, H, I))."""
+
+    def __init__(self, folder: Path, transposed: bool = False) -> None:
+        self.transposed = transposed
         self.files = sorted(folder.glob("*.safetensors"))
         if not self.files:
             raise FileNotFoundError(f"no *.safetensors files in {folder}")
@@ -142,9 +166,12 @@ class SafetensorsReader:
         self.stack.close()
 
     def read(self, name: str, box: Box) -> torch.Tensor:
+        fused = FUSED.match(name)
+        if name in self.where and fused and self.transposed:
+            (e, r, c), (ne, nr, nc) = box
+            return self.where[name].get_slice(name)[e:e + ne, c:c + nc, r:r + nr].transpose(1, 2)
         if name in self.where:
             return self.where[name].get_slice(name)[_slices(box)]
-        fused = FUSED.match(name)
         if fused and f"{fused['prefix']}.{box[0][0]}.down_proj.weight" in self.where:
             return self._per_expert(fused["prefix"], fused["param"], box)
         raise KeyError(f"checkpoint has no tensor {name!r} (files: {[p.name for p in self.files]})")

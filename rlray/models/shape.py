@@ -43,7 +43,7 @@ class ModelShape:
     @property
     def routing_bytes(self) -> int:
         """Bytes of the engine's routing per token: MoE layers x top-k x rlray.types.route_dtype."""
-        k = getattr(self.hf, "num_experts_per_tok", 0) or 0
+        k = self.dim("num_experts_per_tok")
         return self.moe_layers * k * route_dtype(self.experts).itemsize if self.experts else 0
 
     @property
@@ -52,7 +52,7 @@ class ModelShape:
 
     def _inactive(self) -> int:
         """Routed-expert parameters one token does not use."""
-        k = getattr(self.hf, "num_experts_per_tok", 0) or 0
+        k = self.dim("num_experts_per_tok")
         return self.expert_params - self.expert_params * k // self.experts if self.experts else 0
 
     @property
@@ -80,8 +80,7 @@ def model_shape(hf: Any, name: str = "", source: str = "", lora: LoraConfig | No
         model = (AutoModelForImageTextToText if is_vision(hf) else AutoModelForCausalLM).from_config(hf)
     count = lambda module: sum(p.numel() for p in module.parameters())
     experts = {n: count(m) for n, m in moe_experts(model)}
-    per_layer = [(count(layer), sum(v for n, v in experts.items() if n.startswith(f"model.layers.{i}.")))
-                 for i, layer in enumerate(decoder_layers(model))]
+    per_layer = [(count(layer), sum(count(m) for _, m in moe_experts(layer))) for layer in decoder_layers(model)]
     dense, routed = max(per_layer, key=lambda t: t[0])
     total = count(model)
     embedding = model.get_input_embeddings().weight

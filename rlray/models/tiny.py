@@ -85,7 +85,7 @@ def tiny_architecture(cfg: ModelConfig, vocab: int, tok) -> PretrainedConfig:
 
     arch = cfg.arch or DEFAULT_ARCH
     if arch in vision.VISION_ARCHS:  # its own tokenizer: the character one plus the family's vision tokens
-        return vision.VISION_ARCHS[arch][0](cfg, vision.vision_tokenizer())
+        return vision.VISION_ARCHS[arch].config(cfg, vision.vision_tokenizer(arch))
     if arch not in ARCHS:
         raise ValueError(f"model.arch='{arch}' is not a tiny architecture; choose one of "
                          f"{sorted([*ARCHS, *vision.VISION_ARCHS])}")
@@ -93,8 +93,11 @@ def tiny_architecture(cfg: ModelConfig, vocab: int, tok) -> PretrainedConfig:
     return getattr(transformers, config_class)(**_common(cfg, vocab, tok), **extra(cfg))
 
 
+BUILD = 2  # bumped when a build writes other files for the same config (2: Qwen3-VL-MoE's expert layout)
+
+
 def _key(cfg: ModelConfig) -> str:
-    blob = json.dumps(dataclasses.asdict(cfg), sort_keys=True)
+    blob = json.dumps({**dataclasses.asdict(cfg), "build": BUILD}, sort_keys=True)
     return hashlib.sha1(blob.encode()).hexdigest()[:12]
 
 

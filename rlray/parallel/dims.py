@@ -23,9 +23,11 @@ MESHES = ("dp_shard", "cp", "ep", "efsdp")
 
 
 def num_experts(hf_config: Any) -> int:
-    """Routed experts per MoE layer of a transformers config (0 for a dense model)."""
+    """Routed experts per MoE layer of a transformers config (0 for a dense model); a vision-language
+    model's are in its text config."""
+    text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
     for key in ("n_routed_experts", "num_experts", "num_local_experts"):
-        value = getattr(hf_config, key, None)
+        value = getattr(text, key, None)
         if isinstance(value, int) and value > 0:
             return value
     return 0

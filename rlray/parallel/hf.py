@@ -16,8 +16,17 @@
 - `router_weights(router, logits, indices)`: what a transformers MoE router computes as the routing
   weights of experts `indices` [N, K] from its `logits` [N, E] (Qwen3-MoE: softmax, renormalised
   over the top-k; GLM-4.5: sigmoid without the correction bias, renormalised, times
-  `routed_scaling_factor`), for routing replay (rlray.parallel.routing). `ROUTERS` names the router
+  `routed_scaling_factor`; their vision-language variants alike), for routing replay (rlray.parallel.routing). `ROUTERS` names the router
   classes it knows.
+- `text_positions_to_layers(model)`: a vision-language model's decoder layers get the text positions
+  (row 0 of the [4, B, T] `position_ids`) as their `position_ids`, from which packed attention (and
+  flash attention's varlen path) read the sequence bounds. Qwen3-VL passes them so; GLM-4.5V's text
+  model passes the 3 rotary rows instead (transformers 5.19), which would run a packed row's
+  sequences together. Two forward pre-hooks: the text model keeps row 0, each layer takes it.
+- `experts_transposed_on_disk(model_type)`: whether the family's checkpoints hold fused experts as
+  (E, H, 2I) and (E, I, H), transposed from transformers' in-memory layout (Qwen3-VL-MoE): read from
+  transformers' own checkpoint conversion mapping (a `Transpose` on `mlp.experts.*`). vLLM's loader reads
+  that layout, so rlray reads, sends and writes the experts so for those families.
 - `all_gather_autograd(x, group)`: torch's functional all-gather along dim 0 whose backward
   returns each rank's share of the gradient (an all-to-all on gloo, which has no reduce-scatter).
 """
@@ -68,7 +77,7 @@ def sdpa_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
 
 def _softmax_weights(router: nn.Module, logits: Tensor, indices: Tensor) -> Tensor:
     w = torch.softmax(logits, dtype=torch.float, dim=-1).gather(1, indices)
-    if router.norm_topk_prob:
+    if getattr(router, "norm_topk_prob", True):  # Qwen3-VL-MoE's router has no flag: it always renormalises
         w = w / w.sum(dim=-1, keepdim=True)
     return w.to(logits.dtype)
 
@@ -82,12 +91,42 @@ def _sigmoid_weights(router: nn.Module, logits: Tensor, indices: Tensor) -> Tens
 
 ROUTERS: dict[str, Callable[[nn.Module, Tensor, Tensor], Tensor]] = {
     "Qwen3MoeTopKRouter": _softmax_weights,
+    "Qwen3VLMoeTextTopKRouter": _softmax_weights,
     "Glm4MoeTopkRouter": _sigmoid_weights,
+    "Glm4vMoeTextTopkRouter": _sigmoid_weights,
 }
 
 
 def router_weights(router: nn.Module, logits: Tensor, indices: Tensor) -> Tensor:
     return ROUTERS[type(router).__name__](router, logits, indices)
+
+
+def text_positions_to_layers(model: nn.Module) -> None:
+    text = model.model.language_model
+    kept: list[Tensor | None] = [None]
+
+    def keep(_module: nn.Module, args: tuple, kwargs: dict) -> None:
+        pos = kwargs.get("position_ids")
+        kept[0] = pos[0] if pos is not None and pos.ndim == 3 and pos.shape[0] == 4 else None
+
+    def give(_module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        pos = kwargs.get("position_ids")
+        if kept[0] is not None and pos is not None and pos.ndim == 3:
+            kwargs["position_ids"] = kept[0]
+        return args, kwargs
+
+    text.register_forward_pre_hook(keep, with_kwargs=True)
+    for layer in text.layers:
+        layer.register_forward_pre_hook(give, with_kwargs=True)
+
+
+def experts_transposed_on_disk(model_type: str) -> bool:
+    from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+    from transformers.core_model_loading import Transpose
+
+    return any(getattr(c, "source_patterns", None) == ["mlp.experts.gate_up_proj"]
+               and any(isinstance(op, Transpose) for op in c.operations)
+               for c in get_checkpoint_conversion_mapping(model_type) or [])
 
 
 def all_gather_autograd(x: Tensor, group: Any) -> Tensor:

@@ -7,6 +7,9 @@
   sequence) give the same loss and gradients as one padded row per sequence (rtol 1e-5), on 1
   process and on 2 FSDP ranks, with sequences of 0, 1 and 2 images and sampled image pads.
 - `trainer.freeze_vision`: the tower gets no gradient and the language model's gradients are unchanged.
+- The MoE families (Qwen3-VL-MoE, GLM-4.5V): on one process packed equals padded and the logprobs equal
+  transformers'; on 2 ranks with expert parallelism (EP 2) the loss and gradients equal that one process's.
+  GLM-4.5V's text model hands its layers the rotary rows as positions (rlray.parallel.hf.text_positions_to_layers).
 """
 
 from __future__ import annotations
@@ -25,13 +28,16 @@ from rlray.data.packing import Sample, pack
 from rlray.models.multimodal import vision_tower
 from rlray.models.tiny import model_path
 from rlray.models.vision import placeholder_spans
+from rlray.parallel.expert import moe_experts
 from rlray.types import Images
 from tests.dist.common import assert_grads_close, full_grads, spawn
 
 pytest.importorskip("torchvision")
 
-MODEL = ModelConfig(arch="qwen3_vl", num_layers=2, hidden_size=64, intermediate_size=128, num_heads=2,
-                    num_kv_heads=1, seed=3)
+SHAPE = {"num_layers": 2, "hidden_size": 64, "intermediate_size": 128, "num_heads": 2, "num_kv_heads": 1}
+MODELS = {"qwen3_vl": ModelConfig(arch="qwen3_vl", seed=3, **SHAPE),
+          **{arch: ModelConfig(arch=arch, moe_intermediate_size=16, num_experts=4, experts_per_token=2, seed=4, **SHAPE)
+             for arch in ("qwen3_vl_moe", "glm4v_moe")}}
 SIZES = [(64, 48), (48, 64), (32, 32), (96, 40)]
 
 
@@ -49,7 +55,7 @@ def samples(path: str) -> tuple[list[Sample], list[dict[str, Any]]]:
     from transformers import AutoProcessor
 
     processor = AutoProcessor.from_pretrained(path)
-    pad = processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    pad = processor.tokenizer.convert_tokens_to_ids(processor.image_token)
     rng = np.random.default_rng(0)
     out, refs, shared = [], [], None
     for i in range(9):
@@ -89,13 +95,15 @@ def reference_logprobs(path: str, sample: Sample, inputs: dict[str, torch.Tensor
     return lp.gather(1, torch.tensor(sample.completion_ids)[:, None])[:, 0].numpy()
 
 
-def worker(rank: int, world: int, port: int, out: dict, freeze: bool) -> None:
+def worker(rank: int, world: int, port: int, out: dict, freeze: bool, arch: str = "qwen3_vl", ep: int = 1) -> None:
     from rlray.actors.trainer import TrainerActor
 
-    t = TrainerActor(rank, world, f"127.0.0.1:{port}", MODEL, TrainerConfig(num_ranks=world, freeze_vision=freeze),
-                     algo_config(loss="dapo"), "gloo", temperature=0.7)
+    model = MODELS[arch]
+    t = TrainerActor(rank, world, f"127.0.0.1:{port}", model,
+                     TrainerConfig(num_ranks=world, freeze_vision=freeze, ep=ep), algo_config(loss="dapo"), "gloo",
+                     temperature=0.7)
     t.setup()
-    path = model_path(MODEL)
+    path = model_path(model)
     data, refs = samples(path)
     for packed in (True, False):
         mbs = pack(data, world, micro_batch_tokens=160, pad_id=0, packed=packed)[rank]
@@ -109,6 +117,8 @@ def worker(rank: int, world: int, port: int, out: dict, freeze: bool) -> None:
                            "images": sum(len(m.image_grid_thw) for m in mbs if m.image_grid_thw is not None),
                            "vision": [n for n, p in t.model.named_parameters() if n.startswith("model.visual.")],
                            "vision_grads": [p.grad is not None for p in vision_tower(t.model).parameters()]}
+    if rank == 0:
+        out["experts"] = [m.num_experts for _, m in moe_experts(t.model)]  # this rank's experts per MoE layer
     if world == 1 and not freeze:
         mb = pack(data, 1, micro_batch_tokens=10_000, pad_id=0)[0][0]  # every sequence in one packed row
         with torch.no_grad():
@@ -141,3 +151,18 @@ def test_freeze_vision_leaves_the_language_gradients_alone() -> None:
     assert np.isclose(trained["loss"], frozen["loss"], rtol=1e-6)
     language = {n: g for n, g in trained["grads"].items() if not n.startswith("model.visual.")}
     assert_grads_close(language, {n: frozen["grads"][n] for n in language}, rtol=1e-6)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_vl_moe", "glm4v_moe"])
+def test_moe_families_on_one_process_and_with_expert_parallelism(arch: str) -> None:
+    one, two = spawn(worker, 1, False, arch, 1), spawn(worker, 2, False, arch, 2)
+    assert one["experts"] and set(one["experts"]) == {4} and set(two["experts"]) == {2}
+    assert one[True]["images"] == one[False]["images"] == 9
+    assert np.isclose(one[True]["loss"], one[False]["loss"], rtol=1e-5), (one[True]["loss"], one[False]["loss"])
+    assert_grads_close(one[False]["grads"], one[True]["grads"], rtol=1e-5)
+    for got, want in one["scored"]:
+        assert np.abs(got - want).max() < 1e-5, np.abs(got - want).max()
+    assert np.isclose(two[True]["loss"], one[True]["loss"], rtol=1e-5), (two[True]["loss"], one[True]["loss"])
+    assert_grads_close(one[True]["grads"], two[True]["grads"], rtol=1e-4)  # EP sums in another order
+    vision = [n for n in two[True]["grads"] if n.startswith("model.visual.")]
+    assert vision and max(float(np.abs(two[True]["grads"][n]).max()) for n in vision) > 0

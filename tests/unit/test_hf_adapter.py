@@ -92,3 +92,35 @@ def test_attention_choice(monkeypatch) -> None:
     assert attention_for(gpu, ParallelDims(2), "bfloat16") == attention_for(gpu, ParallelDims(2), "float16") \
         == "flash_attention_2"
     assert attention_for(gpu, ParallelDims(2), "float32") == attention_for(cpu, ParallelDims(2), "bfloat16") == PACKED
+
+
+def test_qwen3_vl_moe_checkpoints_hold_transposed_experts() -> None:
+    from rlray.parallel.hf import experts_transposed_on_disk
+
+    assert experts_transposed_on_disk("qwen3_vl_moe")
+    assert not any(experts_transposed_on_disk(t) for t in ("qwen3_moe", "glm4_moe", "glm4v_moe", "qwen3_vl", "qwen3"))
+
+
+@pytest.mark.parametrize("hooked", [False, True])
+def test_glm45v_layers_get_the_text_positions_only_through_the_hooks(hooked: bool) -> None:
+    """transformers' GLM-4.5V text model passes its layers the 3 rotary rows as `position_ids` (what packed
+    attention would read sequence bounds from); with rlray's hooks each layer gets row 0, the text positions.
+    If the unhooked case starts seeing 2-D text positions, transformers fixed it and the hooks can go."""
+    from transformers import AutoModelForImageTextToText
+
+    from rlray.models.vision import VISION_ARCHS, vision_tokenizer
+    from rlray.parallel.hf import text_positions_to_layers
+
+    cfg = ModelConfig(arch="glm4v_moe", num_layers=2, hidden_size=64, num_heads=2, num_kv_heads=1,
+                      intermediate_size=64, moe_intermediate_size=16)
+    model = AutoModelForImageTextToText.from_config(VISION_ARCHS["glm4v_moe"].config(cfg, vision_tokenizer("glm4v_moe")))
+    if hooked:
+        text_positions_to_layers(model)
+    seen: list[torch.Tensor] = []
+    model.model.language_model.layers[1].register_forward_pre_hook(
+        lambda _m, _a, kw: seen.append(kw["position_ids"]), with_kwargs=True)
+    text = torch.tensor([[0, 1, 2, 3, 0, 1, 2]])  # two packed sequences
+    rope = torch.stack([text, text + 10, text + 20])  # rows 1-3 of the [4, B, T] positions
+    with torch.no_grad():
+        model(input_ids=torch.tensor([[5, 6, 7, 8, 9, 10, 11]]), position_ids=torch.cat([text[None], rope]))
+    assert torch.equal(seen[0], text) if hooked else seen[0].shape == (3, 1, 7)

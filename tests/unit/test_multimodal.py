@@ -129,7 +129,7 @@ def test_a_vision_prompt_is_the_processors_ids_and_images() -> None:
     from rlray.models import vision
 
     tok = vision.vision_tokenizer()
-    processor = vision.VISION_ARCHS["qwen3_vl"][1](tok)
+    processor = vision.VISION_ARCHS["qwen3_vl"].processor(tok)
     prompt = VisionPrompt(processor, None, max_images=1)
     ids, images, im = prompt.render([{"role": "user", "content": [{"type": "image", "image": Image.new("RGB", (64, 32))},
                                                                   {"type": "text", "text": "hi"}]}])
@@ -178,12 +178,14 @@ def test_largest_shape_over_several_turns_asks_each_picture_in_turn() -> None:
 
 
 def test_the_cpu_twin_takes_ep_and_task_from_the_family() -> None:
-    from rlray.config.compose import twin
+    from rlray.config.compose import VISION_FAMILIES, twin
     from rlray.models.tiny import ARCHS
     from rlray.models.vision import VISION_ARCHS
 
-    assert [twin("ep", a) for a in ("glm4_moe", "qwen3_moe", "qwen3", None, "qwen3_vl")] == [2, 2, 1, 1, 1]
-    assert twin("mix", "qwen3_vl")[0]["id"] == "largest_shape" and twin("mix", "glm4_moe") == [{"id": "reverse_text"}]
-    # the naming rule the twin relies on holds for every tiny family
-    assert all(a.endswith("_vl") for a in VISION_ARCHS) and not any(a.endswith("_vl") for a in ARCHS)
-    assert {a for a in ARCHS if a.endswith("_moe")} == {"qwen3_moe", "glm4_moe"}
+    families = ("glm4_moe", "qwen3_moe", "qwen3", None, "qwen3_vl", "qwen3_vl_moe", "glm4v_moe")
+    assert [twin("ep", a) for a in families] == [2, 2, 1, 1, 1, 2, 2]
+    assert [twin("mix", a)[0]["id"] for a in families] == ["reverse_text"] * 4 + ["largest_shape"] * 3
+    # the config layer's names of the vision families are the models layer's, and the MoE naming rule holds
+    assert set(VISION_FAMILIES) == set(VISION_ARCHS) and not set(VISION_FAMILIES) & set(ARCHS)
+    assert {a for a in [*ARCHS, *VISION_ARCHS] if a.endswith("_moe")} == {"qwen3_moe", "glm4_moe", "qwen3_vl_moe",
+                                                                          "glm4v_moe"}

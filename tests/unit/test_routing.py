@@ -10,13 +10,17 @@ import torch
 
 from rlray.config import ModelConfig
 from rlray.models.tiny import model_path
+from rlray.models.vision import VISION_ARCHS
 from rlray.parallel.expert import moe_experts
 from rlray.parallel.routing import RouterReplay, moe_routers
 
 SHAPE = {"num_layers": 2, "hidden_size": 32, "num_heads": 2, "num_kv_heads": 1, "intermediate_size": 64,
          "moe_intermediate_size": 16, "num_experts": 4, "experts_per_token": 2}
 MODELS = {"qwen3_moe": ModelConfig(arch="qwen3_moe", seed=8, **SHAPE),
-          "glm4_moe": ModelConfig(arch="glm4_moe", seed=9, **SHAPE)}
+          "glm4_moe": ModelConfig(arch="glm4_moe", seed=9, **SHAPE),
+          # vision-language, on text tokens (Qwen3-VL-MoE's experts must not be square: see rlray.models.vision)
+          "qwen3_vl_moe": ModelConfig(arch="qwen3_vl_moe", seed=8, **{**SHAPE, "moe_intermediate_size": 8}),
+          "glm4v_moe": ModelConfig(arch="glm4v_moe", seed=9, **SHAPE)}
 
 
 def hand_weights(router: torch.nn.Module, hidden: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
@@ -26,18 +30,19 @@ def hand_weights(router: torch.nn.Module, hidden: torch.Tensor, experts: torch.T
         w = logits.sigmoid().gather(1, experts)
         return w / (w.sum(-1, keepdim=True) + 1e-20) * router.routed_scaling_factor
     w = logits.softmax(-1).gather(1, experts)  # Qwen3-MoE: softmax, renormalised over the top-k if configured
-    return w / w.sum(-1, keepdim=True) if router.norm_topk_prob else w
+    return w / w.sum(-1, keepdim=True) if getattr(router, "norm_topk_prob", True) else w  # Qwen3-VL-MoE: always
 
 
 @pytest.mark.parametrize("arch", list(MODELS))
 def test_replay_routes_given_tokens_to_given_experts(arch: str) -> None:
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-    model = AutoModelForCausalLM.from_pretrained(model_path(MODELS[arch]), dtype=torch.float32)
+    auto = AutoModelForImageTextToText if arch in VISION_ARCHS else AutoModelForCausalLM
+    model = auto.from_pretrained(model_path(MODELS[arch]), dtype=torch.float32)
     model.gradient_checkpointing_enable()
     model.train()
     routers, experts = moe_routers(model), [m for _, m in moe_experts(model)]
-    assert len(routers) == len(experts) == (1 if arch == "glm4_moe" else 2)
+    assert len(routers) == len(experts) == (1 if arch.startswith("glm") else 2)
     ids = torch.randint(4, 40, (2, 9), generator=torch.Generator().manual_seed(0))
     rng = np.random.default_rng(0)
     given = torch.tensor(np.stack([[rng.permutation(4)[:2] for _ in routers] for _ in range(ids.numel())]))
