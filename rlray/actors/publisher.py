@@ -11,9 +11,9 @@ rank 0, the bytes sent. With LoRA (`lora`, the adapters' PEFT config) an RL sync
 adapters (PEFT's names; the engines keep them, rlray.weightsync.lora), preceded by the base
 (checkpoint names) when the group's engines do not hold it yet (a new group: start, resume, a
 replaced engine); SFT's syncs (`stage`) move the base it trains. A frozen vision tower
-(`trainer.freeze_vision`) is never sent: every engine loads it from the same checkpoint. Fused experts go
-in the layout of the family's checkpoints (transposed for Qwen3-VL-MoE, rlray.models.load). `close()` leaves the group
-(safe from another thread while a sync is in flight: the trainer's control thread). `source()`
+(`trainer.freeze_vision`) is never sent: every engine loads it from the same checkpoint. Fused experts
+go in the layout of the family's checkpoints (transposed for Qwen3-VL-MoE, rlray.models.load).
+`close()` leaves the group (safe from another thread while a sync is in flight: the trainer's control thread). `source()`
 is the `WeightSource` vLLM's engines read.
 """
 

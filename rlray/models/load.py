@@ -12,7 +12,8 @@ in `trainer.lora.base_dtype` and the adapters, not in the checkpoint, start as P
 weights (`experts.gate_up_proj` (E, 2I, H), `experts.down_proj` (E, H, I)) load from either
 layout on disk: fused, or one tensor per expert (`experts.<e>.gate_proj.weight`, ...: what the hub
 checkpoints and transformers' `save_pretrained` write); a family whose checkpoints fuse them transposed
-(Qwen3-VL-MoE) is read so, and `to_checkpoint_layout(folder)` writes a saved model in that layout. `resident_bytes(model)` counts the parameter bytes this rank holds.
+(Qwen3-VL-MoE) is read so, and `to_checkpoint_layout(folder)` writes a saved model in that layout.
+`resident_bytes(model)` counts the parameter bytes this rank holds.
 """
 
 from __future__ import annotations
