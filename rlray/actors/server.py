@@ -114,7 +114,7 @@ class _VersionTracking:
                 yield out
         finally:
             if self._engine.capture_routing and request_id not in self._routing:  # cancelled: forget it
-                await self._engine.finished_routing(request_id, routing)
+                await self._engine.forget_routing(request_id)
 
     def pop_spans(self, request_id: str, index: int = 0) -> list | None:
         spans = self._spans.pop(request_id, None)

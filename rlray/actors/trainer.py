@@ -11,7 +11,8 @@ Contract:
   of `ParallelDims`, each rank reading only its shards); the KL reference, when
   `algo.kl_coef > 0`, is built the same way.
 - Training is the `Learner`'s (rlray.actors.learner): `set_stage`, `train_step`, `sft_step`,
-  `forward_backward`, `logprobs`; `offload_optimizer(to_host)` (colocated GPUs) moves its state.
+  `forward_backward`, `logprobs`; `offload_optimizer(to_host)` (colocated GPUs) moves its state,
+  `make_room(offload)` also returns the allocator's cached memory to the device before the engines wake.
 - State is rlray.actors.state's: `save(dir)` / `load(dir)` (DCP shards, RNG states; both return
   the weight digest), `weights_digest()`, `export_hf(dir, merged)` (rank 0 writes a transformers
   folder; with LoRA the adapter folder, see rlray.actors.state), `checksums(dir)` / `verify(dir,
@@ -109,6 +110,15 @@ class TrainerActor:
     def offload_optimizer(self, to_host: bool) -> int:
         """The optimizer state to host memory (while colocated engines generate) or back; bytes moved."""
         return self.learner.move_optimizer_state(torch.device("cpu") if to_host else self.device)
+
+    def make_room(self, offload: bool) -> int:
+        """Before colocated engines wake (and after a handover): the optimizer state to host memory when
+        `offload`, then the allocator's cached blocks back to the device (torch keeps a step's peak reserved,
+        which vLLM's wake-up cannot use); bytes moved."""
+        moved = self.offload_optimizer(True) if offload else 0
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        return moved
 
     # ---- state (rlray.actors.state) --------------------------------------------------------
     def save(self, path: str) -> str:

@@ -13,11 +13,12 @@ weights built from a config (gpu-step's models) it checks, one table row each:
 - side-stream gather: right after an optimizer step, the weights gathered for a sync while the
   consumer runs on a side stream (as vLLM's packed NCCL sender does) equal those gathered on the
   default stream, bit for bit; the memory the pass leaves reserved is reported;
-- optimizer offload (trainer.offload_optimizer, colocated GPUs): the AdamW state leaves the GPU
-  (its memory freed) and comes back, and a step runs after it;
+- optimizer offload (trainer.offload_optimizer, colocated GPUs): `make_room` moves the AdamW state off the GPU
+  and returns it to the device (reserved memory, not only allocated, falls), it comes back, and a step runs;
 and once: two trainer ranks on one GPU are refused with one line, by the config check and by
 the trainer itself (two processes); another process reads a CUDA tensor through an IPC handle
-(the mechanism of vLLM's ipc engine, the colocated handover). Exit 0 when every check passed, 1 otherwise; on a machine
+(the mechanism of vLLM's ipc engine, the colocated handover), and the arguments of such a handle hold the type
+objects for which vLLM's RPC needs VLLM_ALLOW_INSECURE_SERIALIZATION=1. Exit 0 when every check passed, 1 otherwise; on a machine
 without CUDA, exit 1 with one line. `--cpu` runs the same checks on the CPU with tiny models
 (gloo, fp32), the CUDA-only ones reported as skipped: how CI tests this script.
 """
@@ -160,14 +161,31 @@ def check_offload(actor: Any, mbs: Any, model: str, device: str) -> dict[str, An
 
     if device != "cuda":
         return row("optimizer offload", model, None, "-", "host memory already on CPU")
-    before = torch.cuda.memory_allocated()
-    out = actor.offload_optimizer(True)
-    freed = before - torch.cuda.memory_allocated()
+    # reserved, not allocated: what vLLM's wake-up can map is what torch's allocator gave back (make_room)
+    before = torch.cuda.memory_reserved()
+    out = actor.make_room(True)
+    freed = before - torch.cuda.memory_reserved()
     back = actor.offload_optimizer(False)
     res = actor.train_step(mbs)
     ok = out > 0 and back == out and freed >= 0.9 * out and math.isfinite(res["loss"])
     return row("optimizer offload", model, ok, f"{out / 2**30:.2f} GiB",
-               f"{freed / 2**30:.2f} GiB freed on the GPU; moved back, then a step (loss {res['loss']:.3g})")
+               f"{freed / 2**30:.2f} GiB of reserved memory returned to the GPU; moved back, then a step "
+               f"(loss {res['loss']:.3g})")
+
+
+def check_ipc_payload(device: str) -> dict[str, Any]:
+    """What vLLM's msgpack RPC carries for the ipc handover: reduce_tensor's arguments for a CUDA tensor hold type
+    objects and a dtype, which it encodes only with VLLM_ALLOW_INSECURE_SERIALIZATION=1 (rlray.orchestration.cluster
+    .rollout_env sets it for colocated GPU engines)."""
+    import torch
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    if device != "cuda":
+        return row("ipc payload", "-", None, "-", "CUDA only (tests/unit/test_colocation.py encodes a meta tensor's)")
+    _, args = reduce_tensor(torch.zeros(4, device="cuda"))
+    kinds = sorted({type(a).__name__ for a in args if isinstance(a, (type, torch.dtype))})
+    ok = any(a is torch.Tensor for a in args) and any(isinstance(a, torch.dtype) for a in args)
+    return row("ipc payload", "-", ok, ", ".join(kinds), "type objects and a dtype: needs the variable for vLLM's RPC")
 
 
 def _ipc_child(inbox: Any, outbox: Any) -> None:
@@ -272,7 +290,7 @@ def run(args: argparse.Namespace) -> Report:
         report.ratios[f"{arch.name} TFLOP/s / measured matmul"] = train["tflops"] / mm
         if peak:
             report.ratios[f"{arch.name} MFU (spec peak {peak:g} TFLOP/s)"] = train["tflops"] / peak
-    report.rows += [*check_shared_gpu(device), check_cuda_ipc(device)]
+    report.rows += [*check_shared_gpu(device), check_cuda_ipc(device), check_ipc_payload(device)]
     report.failed = [f"{r['check']} ({r['model']})" for r in report.rows if r["result"] == "FAIL"]
     report.notes = [f"measured matmul ({mm_what}): {mm:.3g} TFLOP/s on {device}",
                     f"{sum(r['result'] == 'ok' for r in report.rows)} ok, {len(report.failed)} failed, "

@@ -9,7 +9,9 @@ layer's dense and expert parts, `active_params` (what one token uses: embedding 
 included, top-k of the routed experts), and the matrices a token is multiplied through
 (`matrix_params`, `active_matrix_params`: the output head but not the embedding lookup; the FLOPs
 of a step are 6 x the active ones plus attention's), and the MoE layers whose routing a token
-carries (`moe_layers`, `routing_bytes`); given `trainer.lora`, the adapters' parameters
+carries (`moe_layers`, `routing_bytes`), the largest parameter (`largest`: what a weight sync's buffer
+must hold), what the checkpoint holds beyond the parameters (`buffers`, persistent buffers) and the
+vision tower's size (`tower_params`); given `trainer.lora`, the adapters' parameters
 (`lora_params`; rlray.models.lora's `ValueError` for targets the model lacks).
 """
 
@@ -39,6 +41,9 @@ class ModelShape:
     hf: Any = field(repr=False)
     moe_layers: int = 0  # decoder layers with routed experts
     lora_params: int = 0  # the adapters' parameters when trainer.lora.rank > 0 (on top of `params`)
+    largest: tuple[str, int] = ("", 0)  # the largest parameter: (name, elements)
+    buffers: tuple[str, ...] = ()  # persistent buffers: in the checkpoint, never in a weight sync
+    tower_params: int = 0  # a vision-language model's vision tower (unsent with trainer.freeze_vision)
 
     @property
     def routing_bytes(self) -> int:
@@ -72,7 +77,7 @@ def model_shape(hf: Any, name: str = "", source: str = "", lora: LoraConfig | No
     import torch
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-    from rlray.models.multimodal import is_vision
+    from rlray.models.multimodal import is_vision, vision_tower
     from rlray.parallel.expert import moe_experts
     from rlray.parallel.parallelize import decoder_layers
 
@@ -86,11 +91,16 @@ def model_shape(hf: Any, name: str = "", source: str = "", lora: LoraConfig | No
     embedding = model.get_input_embeddings().weight
     head = model.get_output_embeddings()
     tied = head is not None and head.weight is embedding
+    params = {id(p) for p in model.parameters()}
+    buffers = tuple(k for k, v in model.state_dict(keep_vars=True).items() if id(v) not in params)
+    tower = vision_tower(model)
     return ModelShape(name, source, type(model).__name__, total, sum(experts.values()),
                       total - sum(t for t, _ in per_layer), dense - routed, routed,
                       sum(p.numel() for p in model.parameters() if p.dim() >= 2),
                       0 if tied else embedding.numel(), hf, len(experts),
-                      adapter_params(model, lora) if lora is not None and lora.enabled else 0)
+                      adapter_params(model, lora) if lora is not None and lora.enabled else 0,
+                      max(((n, p.numel()) for n, p in model.named_parameters()), key=lambda t: t[1]),
+                      buffers, count(tower) if tower is not None else 0)
 
 
 def human(n: float) -> str:

@@ -313,17 +313,14 @@ def rollout_name(index: int, incarnation: int = 0) -> str:
 
 def spawn_rollout(c: Config, index: int, pg: PlacementGroup, bundle: int, incarnation: int = 0) -> Any:
     """Rollout actor `index` in bundle `bundle` of `pg` (colocated: its engine's first bundle), named
-    `rollout_name(index, incarnation)`. Colocated on GPUs the actor takes no GPU: vLLM's Ray workers take
-    each bundle's engine share (VLLM_RAY_BUNDLE_INDICES, VLLM_RAY_PER_WORKER_GPUS), so the actor's
-    placement group is captured for the tasks it starts."""
+    `rollout_name(index, incarnation)`, with `rollout_env(c, index)`. Colocated on GPUs the actor takes no GPU:
+    vLLM's Ray workers take each bundle's engine share, so the actor's placement group is captured for the
+    tasks it starts."""
     r, colocated = c.rollout, c.cluster.colocate
-    gpus, env = r.gpus_per_actor, {}
+    env = rollout_env(c, index)
+    gpus = 0.0 if env else r.gpus_per_actor
     if colocated:
-        where = Colocation(c)
-        bundle = where.first_bundle(index)
-        if gpus:
-            gpus, env = 0.0, {"VLLM_RAY_BUNDLE_INDICES": ",".join(map(str, where.engine_bundles(index))),
-                              "VLLM_RAY_PER_WORKER_GPUS": str(1.0 - TRAINER_GPU_SHARE)}
+        bundle = Colocation(c).first_bundle(index)
     return ray.remote(RolloutActor).options(
         name=rollout_name(index, incarnation), num_cpus=r.cpus_per_actor, num_gpus=gpus, max_concurrency=1000,
         scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=bundle,
@@ -331,6 +328,18 @@ def spawn_rollout(c: Config, index: int, pg: PlacementGroup, bundle: int, incarn
         **({"runtime_env": {"env_vars": env}} if env else {}),
     ).remote(index, r.num_actors, c.model, r, c.env, c.run.seed + 1000 * incarnation, c.run.seed, weight_backend(c),
              c.trainer.lora.rank, colocated, v1_spawner(c.env, actor_name("v1env", index, incarnation)))
+
+
+def rollout_env(c: Config, index: int) -> dict[str, str]:
+    """The environment variables rollout actor `index` starts with (its engine's processes inherit them):
+    colocated on GPUs, where vLLM's Ray workers sit (one per trainer bundle, each a GPU share) and
+    VLLM_ALLOW_INSECURE_SERIALIZATION=1, without which vLLM's msgpack RPC refuses the ipc handover's
+    CUDA IPC handles (the type objects `reduce_tensor` returns); vLLM reads it once, at the engine's start."""
+    if not (c.cluster.colocate and c.rollout.gpus_per_actor):
+        return {}
+    return {"VLLM_RAY_BUNDLE_INDICES": ",".join(map(str, Colocation(c).engine_bundles(index))),
+            "VLLM_RAY_PER_WORKER_GPUS": str(1.0 - TRAINER_GPU_SHARE),
+            "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
 
 
 def v1_spawner(env: EnvConfig, name: str | None = None) -> Any:

@@ -107,8 +107,12 @@ class Controller:
         t0 = time.perf_counter()
         self._h = cluster.spawn(self.c, pad_id=self.tokenizer.pad_token_id)
         self.teachers = TeacherPool(self.c, self.h) if self.h.teachers else None
-        ray.get([t.setup.remote(self.h.master) for t in self.h.trainers] + [r.start.remote() for r in self.h.rollouts]
-                + (self.teachers.start_refs() if self.teachers else []))
+        setups = [t.setup.remote(self.h.master) for t in self.h.trainers]
+        if self.c.cluster.colocate and self.c.trainer.gpus_per_rank:
+            # vLLM profiles its GPU's memory as it starts: memory another process frees meanwhile fails its
+            # assertion, memory it takes shrinks the KV cache; the trainers are built first
+            ray.get(setups)
+        ray.get(setups + [r.start.remote() for r in self.h.rollouts] + (self.teachers.start_refs() if self.teachers else []))
         if self.teachers:
             self.teachers.start()
         self._fleet = RolloutFleet(self.c, self.h)
@@ -132,16 +136,17 @@ class Controller:
                 ray.get([t.offload_optimizer.remote(False) for t in self.h.trainers])
 
     def sync(self, version: int) -> dict[str, float]:
-        """The trainer's weights into every engine, labelled `version`; taking turns, the engines wake for
-        it (weights first, then the KV cache: a level-2 engine needs room only for what the sync fills) and
-        the optimizer state leaves for host memory while they generate (trainer.offload_optimizer)."""
+        """The trainer's weights into every engine, labelled `version`. Taking turns, the trainer first makes
+        room (the optimizer state to host memory with trainer.offload_optimizer, the train step's cached
+        blocks back to the device), then the engines wake for the handover (weights first: a level-2 engine
+        needs room only for what it fills), the trainer returns the handover's buffer, and the KV cache wakes."""
         if not self.turns:
             return self.fleet.sync(version)
         t0 = time.perf_counter()
+        ray.get([t.make_room.remote(self.c.trainer.offload_optimizer) for t in self.h.trainers])
         self.fleet.wake(["weights"])
         values = self.fleet.sync(version)
-        if self.c.trainer.offload_optimizer:
-            ray.get([t.offload_optimizer.remote(True) for t in self.h.trainers])
+        ray.get([t.make_room.remote(False) for t in self.h.trainers])
         self.fleet.wake()
         return {**values, "handover_seconds": time.perf_counter() - t0}
 

@@ -102,9 +102,12 @@ class RolloutFleet:
             return 1
         self.nodes = list(cluster.nodes_of(self.h.rollouts, w.sync_timeout_s))
         host, port = cluster.free_address(self.h.trainer_pg, 0)
+        backend = weight_backend(self.c)
+        if backend in ("gloo", "nccl"):  # trainer rank 0 picks the port as it binds (a port chosen here could be taken)
+            port = 0
         workers = ray.get([r.workers.remote() for r in self.h.rollouts], timeout=w.sync_timeout_s)
         world = 1 + sum(workers)
-        spec = TrainerSpec(weight_backend(self.c), host, port, world, w.bucket_mb and w.bucket_mb << 20,
+        spec = TrainerSpec(backend, host, port, world, w.bucket_mb and w.bucket_mb << 20,
                            w.group_timeout_s, w.delta, w.full_every, Colocation(self.c).stride, sum(workers))
         client = FleetClient(list(self.h.rollouts), workers, w.sync_timeout_s)
         ray.get([t.init_weight_group.remote(spec, client) for t in self.h.trainers],

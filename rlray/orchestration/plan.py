@@ -18,11 +18,9 @@ GPU a fixed 4 GB for the CUDA context and NCCL.
 Engine, per GPU (tensor parallel TP): weights P x b / TP; the KV cache gets what is left of
 `kv_cache_fraction` of the GPU after weights and a 2 GB activation reserve (or exactly
 `kv_cache_gb`), at 2 x layers x kv_heads x head_dim x b / TP bytes per token.
-Colocated (`cluster.colocate`), per device: the train phase is the trainer's estimate (the engines
-asleep hold nothing on the GPU); the generate phase is the trainer's resident state (without
-activations and logits; without AdamW state when trainer.offload_optimizer) plus the engine awake
-(kv_cache_fraction of the GPU, or its weights, KV cache and reserve); on CPU, with no sleep mode,
-both at once. The run takes turns (async.max_off_policy_steps=0) unless both fit at once.
+Colocated (`cluster.colocate`), per device: the train, handover and generate phases of the turns and
+both at once (rlray.orchestration.phases, with the ipc handover's buffer on GPUs). The run takes turns
+(async.max_off_policy_steps=0) unless both fit at once.
 Teacher (algo.loss=opd, `teacher.name`): its architecture read as the student's, its engines sized by
 the engine formula above from the teacher.* keys, in a placement group of their own.
 """
@@ -44,14 +42,13 @@ from rlray.config import (
 from rlray.config.colocation import TRAINER_GPU_SHARE
 from rlray.config.resources import needs
 from rlray.models.shape import ModelShape, human, model_shape
+from rlray.orchestration import phases
+from rlray.orchestration.phases import BYTES, ENGINE_RESERVE_GB, GB
 from rlray.parallel.dims import ParallelDims
 from rlray.types import route_dtype
 from rlray.weightsync.transport import BUCKET_BYTES, SHM_BUCKET_BYTES
 
-GB = 1e9
-BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 OVERHEAD_GB = 4.0  # CUDA context, NCCL buffers, allocator slack per trainer GPU
-ENGINE_RESERVE_GB = 2.0  # vLLM's activation peak per GPU, beside weights and KV
 STATES = ("fp32 weights", "fp32 gradients", "fp32 adapters", "adapter gradients", "AdamW state")
 
 
@@ -200,19 +197,7 @@ class Plan:
             out.append(f"trainer: needs ~{need:.0f} GB per GPU but cluster.gpu_memory_gb={mem:g}; "
                        + ", ".join(fixes))
         if c.cluster.colocate:
-            p = self.phases()
-            if p["train"] > mem and p["generate"] > mem:
-                out.append(f"cluster.colocate=true: the train phase needs ~{p['train']:.0f} GB and the generate phase "
-                           f"~{p['generate']:.0f} GB per GPU but cluster.gpu_memory_gb={mem:g}; raise trainer.num_ranks "
-                           "(each rank's share shrinks) or lower rollout.kv_cache_fraction and "
-                           "trainer.micro_batch_tokens")
-            elif max(p["train"], p["generate"]) > mem:
-                phase = "train" if p["train"] > mem else "generate"
-                fix = ("raise trainer.num_ranks or lower trainer.micro_batch_tokens" if phase == "train" else
-                       "lower rollout.kv_cache_fraction or set trainer.offload_optimizer=true")
-                out.append(f"cluster.colocate=true: the {phase} phase needs ~{p[phase]:.0f} GB per GPU but "
-                           f"cluster.gpu_memory_gb={mem:g}; {fix}")
-            return out
+            return out + phases.problems(self)
         if c.rollout.gpus_per_actor and self.engine["sequences"] < 1:
             out.append(f"rollout: {self.shape.name} takes {self.engine['weights'] / GB:.0f} GB per GPU at "
                        f"tensor_parallel_size={tp}, leaving no KV cache for one {c.rollout.max_model_len}-token "
@@ -269,10 +254,10 @@ class Plan:
                          f"adapter parameters trained, the base frozen in {t.lora.base_dtype}; a sync sends "
                          f"{s.lora_params * BYTES.get(r.dtype, 2) / 2**20:.1f} MiB")
         w, b = c.weights, weight_backend(c)
-        default = {"nccl": "vLLM's packed buffers (its default size)", "ipc": "vLLM's packed buffers (its default size)",
-                   "shm": f"{SHM_BUCKET_BYTES >> 20} MB rounds in /dev/shm"}
+        default = {"nccl": "vLLM's packed buffers (its default size)", "shm": f"{SHM_BUCKET_BYTES >> 20} MB rounds in /dev/shm"}
         bucket = f"{w.bucket_mb} MB buckets" if w.bucket_mb else default.get(b, f"{BUCKET_BYTES >> 20} MB buckets")
-        lines.append(f"weight sync: {b}, {bucket}; a sync gives up after weights.sync_timeout_s={w.sync_timeout_s:g}s"
+        how = phases.weight_sync_line(self) if b == "ipc" else f"{b}, {bucket}"
+        lines.append(f"weight sync: {how}; a sync gives up after weights.sync_timeout_s={w.sync_timeout_s:g}s"
                      + (f", one broadcast after weights.group_timeout_s={w.group_timeout_s:g}s" if b == "gloo" else ""))
         where = f"GPU of {c.cluster.gpu_memory_gb:g} GB" if self.on_gpu else "CPU rank (host RAM)"
         lines.append(f"memory per trainer {where} (estimate, GB):")
@@ -287,7 +272,7 @@ class Plan:
                      f"{e['weights'] / GB:.2f} GB, KV cache {e['KV cache'] / GB:.2f} GB = {e['sequences']:.0f} "
                      f"sequences of {r.max_model_len} tokens")
         if c.cluster.colocate:
-            lines += self._colocated_memory()
+            lines += phases.lines(self)
         return "\n".join(lines + self._teacher_lines())
 
     # ---- on-policy distillation's teacher pool (teacher.name) -------------------------------------
@@ -347,38 +332,12 @@ class Plan:
                 ] if te.enabled else []
 
     def phases(self) -> dict[str, float]:
-        """Colocated GB per device: "train" (the trainer at its peak, the engines asleep), "generate" (the
-        engines awake beside the trainer's resident state) and "both" (no sleep: everything at once)."""
-        trainer, engine = sum(self.trainer.values()) / GB, self._engine_awake_gb()
-        resident = trainer - (self.trainer["activations"] + self.trainer["logits"]) / GB
-        if self.c.trainer.offload_optimizer:
-            resident -= self.trainer.get("AdamW state", 0.0) / GB
-        return {"train": trainer, "generate": resident + engine, "both": trainer + engine}
-
-    def _engine_awake_gb(self) -> float:
-        """The engine worker's share of its device while awake (vLLM's fraction on GPU; weights + KV on CPU)."""
-        r, e = self.c.rollout, self.engine
-        if self.on_gpu and r.kv_cache_gb <= 0:
-            return r.kv_cache_fraction * self.c.cluster.gpu_memory_gb
-        return (e["weights"] + e["KV cache"]) / GB + (ENGINE_RESERVE_GB if self.on_gpu else 0.0)
+        """Colocated GB per device in each phase (rlray.orchestration.phases)."""
+        return phases.phases(self)
 
     def overlap_fits(self) -> bool:
         """Whether trainer and engine fit a device at once (what async.max_off_policy_steps=1 needs colocated)."""
-        return not self.on_gpu or self.phases()["both"] <= self.c.cluster.gpu_memory_gb
-
-    def _colocated_memory(self) -> list[str]:
-        p, k = self.phases(), self.c.async_.max_off_policy_steps
-        if not self.on_gpu:
-            return [f"memory per colocated bundle (CPU: no sleep mode, so their sum): {p['both']:.2f} GB; "
-                    f"async.max_off_policy_steps={k}" + (": both resident, generation overlaps training" if k else
-                                                          ": generation pauses while the trainer trains")]
-        level = self.c.rollout.sleep_level
-        if k:
-            return [f"memory per GPU (colocated, both resident: async.max_off_policy_steps=1): {p['both']:.1f} GB"]
-        return [f"memory per GPU (colocated, taking turns, vLLM sleep mode level {level}): train phase "
-                f"{p['train']:.1f} GB, generate phase {p['generate']:.1f} GB"
-                + (" (optimizer state in host memory)" if self.c.trainer.offload_optimizer else "")
-                + f"; peak {max(p['train'], p['generate']):.1f} GB"]
+        return phases.overlap_fits(self)
 
 
 def make_plan(c: Config) -> Plan:

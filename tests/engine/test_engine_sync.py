@@ -108,7 +108,8 @@ class Trainer:
 
     def connect(self, loop_thread: LoopThread, engines: list[Engine], delta: bool = False) -> None:
         self.client = EngineClient(loop_thread, engines, timeout_s=60.0)
-        spec = TrainerSpec("gloo", "127.0.0.1", free_port(), 1 + sum(e.workers() for e in engines), BUCKET_BYTES, 60.0,
+        # port 0: rank 0 serves the group's store on a port bound as it is chosen (what the fleet asks for)
+        spec = TrainerSpec("gloo", "127.0.0.1", 0, 1 + sum(e.workers() for e in engines), BUCKET_BYTES, 60.0,
                            delta=delta)
         self.transfer = trainer_engine(spec, 0, self.client, self.source)
 

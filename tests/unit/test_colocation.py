@@ -208,3 +208,167 @@ def test_a_dev_shm_without_room_for_a_round_is_one_line(tmp_path, monkeypatch) -
     mapped = shm.map_file(tmp_path / "round", 1 << 20, create=True)
     mapped[:4] = torch.tensor([1, 2, 3, 4], dtype=torch.uint8)
     assert shm.map_file(tmp_path / "round", 1 << 20)[:4].tolist() == [1, 2, 3, 4]  # another mapping sees it
+
+
+IPC_PAYLOAD = """
+import uuid, torch
+from torch.multiprocessing.reductions import reduce_tensor
+from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
+payload = {"update_info": {"ipc_handles": {str(uuid.uuid4()): reduce_tensor(torch.empty(4, device="meta"))[1]}}}
+try:
+    frames = MsgpackEncoder().encode(payload)
+except TypeError as e:
+    print("refused:", e)
+else:
+    (args,) = MsgpackDecoder().decode(frames)["update_info"]["ipc_handles"].values()  # tuples arrive as lists
+    print("round trip:", args[0] is torch.Tensor and args[4] is torch.float32 and args[1] == [4])
+"""
+
+
+def test_colocated_gpu_engines_may_receive_ipc_handles_through_vllms_rpc() -> None:
+    """The ipc handover's payload (what torch's reduce_tensor returns: type objects and a dtype) goes through
+    vLLM's msgpack RPC only with VLLM_ALLOW_INSECURE_SERIALIZATION=1, which the rollout actor's environment
+    carries when colocated on GPUs (vLLM reads it once, at start: it must be there before the engine starts)."""
+    pytest.importorskip("vllm")
+    import os
+    import subprocess
+    import sys
+
+    from rlray.orchestration.cluster import rollout_env
+
+    env = rollout_env(composed(*GPU, "trainer.num_ranks=4", "rollout.num_actors=2"), 1)
+    assert env == {"VLLM_RAY_BUNDLE_INDICES": "2", "VLLM_RAY_PER_WORKER_GPUS": "0.5",
+                   "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
+    assert rollout_env(composed("cluster.colocate=true"), 0) == {} and rollout_env(composed(), 0) == {}
+    base = {k: v for k, v in os.environ.items() if k != "VLLM_ALLOW_INSECURE_SERIALIZATION"}
+    said = {}
+    for name, extra in (("bare", {}), ("rollout actor", env)):
+        out = subprocess.run([sys.executable, "-c", IPC_PAYLOAD], env={**base, **extra}, capture_output=True,
+                             text=True, timeout=300)
+        said[name] = out.stdout.strip().splitlines()[-1] if out.stdout.strip() else out.stderr[-2000:]
+    assert said["bare"].startswith("refused:") and "VLLM_ALLOW_INSECURE_SERIALIZATION" in said["bare"], said
+    assert said["rollout actor"] == "round trip: True", said
+
+
+def test_the_handover_buffer_holds_the_largest_tensor_in_the_plan_and_in_the_trainers_init_info() -> None:
+    """vLLM's ipc engine refuses a tensor larger than its packed buffer: with weights.bucket_mb unset the buffer
+    is max(vLLM's 1 GiB, the largest tensor), for the plan and the trainer alike; a smaller bucket_mb is one line."""
+    pytest.importorskip("vllm")
+    from vllm.distributed.weight_transfer.base import ParamMeta
+    from vllm.distributed.weight_transfer.packed_tensor import DEFAULT_PACKED_BUFFER_SIZE_BYTES
+
+    from rlray.weightsync.handover import VLLM_PACKED_BYTES, handover_bytes
+    from rlray.weightsync.protocol import trainer_init_info
+    from rlray.weightsync.transport import TrainerSpec
+
+    assert VLLM_PACKED_BYTES == DEFAULT_PACKED_BUFFER_SIZE_BYTES
+    embedding = 151936 * 4096 * 2  # Qwen3-VL-8B's, in bf16: 1187 MiB
+    c = composed(*GPU, "model.name=Qwen/Qwen3-VL-8B-Instruct", "trainer.num_ranks=8", "rollout.num_actors=8",
+                 "cluster.gpu_memory_gb=141", "rollout.kv_cache_fraction=0.5", "async.max_off_policy_steps=0")
+    plan = make_plan(c)
+    assert plan.shape.largest == ("model.language_model.embed_tokens.weight", 151936 * 4096)
+    out = plan.render()
+    assert "weight sync: ipc, a packed buffer of 1187 MiB on each trainer GPU (sized to the largest tensor, " \
+           "model.language_model.embed_tokens.weight, 1187 MiB in bfloat16" in out, out
+    p = plan.phases()
+    resident = sum(plan.trainer.values()) - plan.trainer["activations"] - plan.trainer["logits"]
+    assert p["handover"] == pytest.approx((resident + plan.engine["weights"] + 2 * embedding) / GB)
+    assert "handover 46.7 GB (the engine's weights and the ipc buffer, 1.24 GB, on each side)" in out, out
+    wire = [ParamMeta("model.language_model.embed_tokens.weight", torch.bfloat16, (151936, 4096)),
+            ParamMeta("lm_head.weight", torch.bfloat16, (4096, 4096))]
+    spec = TrainerSpec("ipc", "h", 1, 9, None, 30.0)
+    assert trainer_init_info(spec, 3, wire).packed_buffer_size_bytes == embedding
+    assert trainer_init_info(spec, 3, wire[1:]).packed_buffer_size_bytes == DEFAULT_PACKED_BUFFER_SIZE_BYTES
+    small = dataclasses.replace(c, weights=dataclasses.replace(c.weights, bucket_mb=16))
+    problems = make_plan(small).problems()
+    assert problems == [("cluster.colocate=true: weights.bucket_mb=16 is smaller than model.language_model.embed_tokens"
+                         ".weight (1187 MiB on the wire), which vLLM's ipc handover packs whole; set weights.bucket_mb >= "
+                         "1187, or unset it (the buffer is then sized to the largest tensor)")], problems
+    with pytest.raises(ValueError, match=r"weights.bucket_mb=16 is smaller than model.language_model.embed_tokens"):
+        trainer_init_info(dataclasses.replace(spec, bucket_bytes=16 << 20), 0, wire)
+    assert handover_bytes(2048 << 20, [("x", embedding)]) == 2048 << 20
+
+
+@pytest.mark.parametrize("name", ["zai-org/GLM-4.5-Air", "Qwen/Qwen3-30B-A3B", "Qwen/Qwen3-4B", "Qwen/Qwen3-VL-8B-Instruct",
+                                  "Qwen/Qwen3-VL-30B-A3B-Instruct", "zai-org/GLM-4.5V"])
+def test_every_catalog_models_largest_tensor_sizes_its_handover(name: str) -> None:
+    """Hand-computed: the largest bf16 tensor a sync sends, and so the ipc buffer; three are over vLLM's 1 GiB."""
+    from rlray.models.catalog import architecture
+    from rlray.models.shape import model_shape
+    from rlray.weightsync.handover import VLLM_PACKED_BYTES, handover_bytes
+
+    largest = {"zai-org/GLM-4.5-Air": ("model.layers.1.mlp.experts.gate_up_proj", 128 * 2 * 1408 * 4096),
+               "Qwen/Qwen3-30B-A3B": ("model.layers.0.mlp.experts.gate_up_proj", 128 * 2 * 768 * 2048),
+               "Qwen/Qwen3-4B": ("model.embed_tokens.weight", 151936 * 2560),
+               "Qwen/Qwen3-VL-8B-Instruct": ("model.language_model.embed_tokens.weight", 151936 * 4096),
+               "Qwen/Qwen3-VL-30B-A3B-Instruct": ("model.language_model.layers.0.mlp.experts.gate_up_proj",
+                                                  128 * 2 * 768 * 2048),
+               "zai-org/GLM-4.5V": ("model.language_model.layers.1.mlp.experts.gate_up_proj", 128 * 2 * 1408 * 4096)}
+    shape = model_shape(architecture(name)[0], name)
+    assert shape.largest == largest[name]
+    size = handover_bytes(None, [(shape.largest[0], 2 * shape.largest[1])])
+    over = name in ("zai-org/GLM-4.5-Air", "Qwen/Qwen3-VL-8B-Instruct", "zai-org/GLM-4.5V")
+    assert (size > VLLM_PACKED_BYTES) == over and size >= 2 * shape.largest[1]
+
+
+def test_sleep_level_2_is_refused_when_the_engines_hold_what_no_sync_refills() -> None:
+    """Level 2 discards the engines' weights and a wake-up restores only vLLM's buffers: GLM's
+    e_score_correction_bias (a buffer in transformers, never sent; a parameter in vLLM) and a frozen vision
+    tower would stay garbage. Qwen3-VL with its tower trained has neither: level 2 is allowed."""
+    gpu = [*GPU, "trainer.num_ranks=8", "rollout.num_actors=8", "cluster.gpu_memory_gb=141",
+           "rollout.kv_cache_fraction=0.4", "rollout.sleep_level=2", "async.max_off_policy_steps=0"]
+    glm = make_plan(composed(*gpu, "model.name=zai-org/GLM-4.5-Air", "trainer.ep=8")).problems()
+    assert [p for p in glm if p.startswith("rollout.sleep_level=2")] == [(
+        "rollout.sleep_level=2 discards the engines' weights and a sync refills only what the trainer sends, which "
+        "leaves out model.layers.1.mlp.gate.e_score_correction_bias and 44 more (wrong outputs, no error); set "
+        "rollout.sleep_level=1")], glm
+    vl = ["model.name=Qwen/Qwen3-VL-8B-Instruct", "trainer.offload_optimizer=true"]
+    frozen = make_plan(composed(*gpu, *vl, "trainer.freeze_vision=true")).problems()
+    assert len(frozen) == 1 and "leaves out the vision tower (trainer.freeze_vision=true)" in frozen[0], frozen
+    assert make_plan(composed(*gpu, *vl)).problems() == []
+    assert not any("sleep_level" in p for p in make_plan(composed(*gpu, *vl, "trainer.freeze_vision=true",
+                                                                  "rollout.sleep_level=1")).problems())
+
+
+def test_the_trainer_returns_cached_memory_after_moving_the_optimizer_state(monkeypatch) -> None:
+    """make_room: the optimizer state to host memory first, then torch's cached blocks back to the device (what
+    vLLM's wake-up maps; memory_allocated cannot see them, memory_reserved can); on a CPU trainer nothing to empty."""
+    from types import SimpleNamespace
+
+    from rlray.actors.trainer import TrainerActor
+
+    calls: list[str] = []
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty_cache"))
+    actor = object.__new__(TrainerActor)
+    actor.device = torch.device("cuda")
+    actor.learner = SimpleNamespace(move_optimizer_state=lambda d: calls.append(f"optimizer to {d}") or 120)
+    assert actor.make_room(True) == 120 and calls == ["optimizer to cpu", "empty_cache"]
+    assert actor.make_room(False) == 0 and calls[2:] == ["empty_cache"]
+    actor.device = torch.device("cpu")
+    assert actor.make_room(False) == 0 and len(calls) == 3
+
+
+def test_taking_turns_the_trainer_makes_room_before_the_engines_wake_and_after_the_handover(monkeypatch) -> None:
+    """The colocated sync's order: optimizer out and cache emptied, weights woken, the handover, the handover's
+    buffer returned, the KV cache woken (the offload used to run after the handover, at the trainer's peak)."""
+    from types import SimpleNamespace
+
+    from rlray.orchestration import controller
+    from rlray.orchestration.controller import Controller
+
+    calls: list[str] = []
+    remote = lambda name: SimpleNamespace(remote=lambda *a: calls.append(f"{name}{a}"))
+    trainer = SimpleNamespace(make_room=remote("make_room"), offload_optimizer=remote("offload_optimizer"))
+    fleet = SimpleNamespace(wake=lambda tags=None: calls.append(f"wake {tags}"),
+                            sync=lambda v: calls.append(f"sync {v}") or {"sync_seconds": 1.0},
+                            sleep=lambda: calls.append("sleep"))
+    monkeypatch.setattr(controller.ray, "get", lambda refs: refs)
+    ctl = object.__new__(Controller)
+    ctl.c = composed(*GPU, "async.max_off_policy_steps=0", "trainer.offload_optimizer=true")
+    ctl._h, ctl._fleet = SimpleNamespace(trainers=[trainer, trainer]), fleet
+    ctl.sync(3)
+    assert calls == ["make_room(True,)", "make_room(True,)", "wake ['weights']", "sync 3", "make_room(False,)",
+                     "make_room(False,)", "wake None"]
+    calls.clear()
+    ctl._train_turn()
+    assert calls == ["sleep", "offload_optimizer(False,)", "offload_optimizer(False,)"]

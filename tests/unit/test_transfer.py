@@ -146,3 +146,48 @@ def test_gpu_engines_routing_comes_from_vllms_own_output() -> None:
     assert kept == {}
     engine.keep_routing(kept, SimpleNamespace(outputs=[SimpleNamespace(index=1, routed_experts=full)]))
     assert kept[1].dtype == np.uint16 and kept[1].tolist() == full[:, 1:].tolist()
+
+
+class _CancelledLLM:
+    """An AsyncLLM stand-in whose generate yields one token and then waits to be cancelled, and whose worker RPC
+    raises as vLLM's GPU workers do for rlray's CPU routing record (they never create it)."""
+
+    def __init__(self) -> None:
+        self.rpcs: list[str] = []
+        self.errored = False
+        self.first = asyncio.Event()
+
+    async def generate(self, prompt, params, request_id, lora_request=None):
+        from types import SimpleNamespace
+
+        token = SimpleNamespace(logprob=-0.5)
+        yield SimpleNamespace(outputs=[SimpleNamespace(index=0, token_ids=[7], logprobs=[{7: token}],
+                                                       finish_reason=None, routed_experts=None)])
+        self.first.set()
+        await asyncio.sleep(3600)
+
+    async def collective_rpc(self, method: str, args: tuple = ()) -> list:
+        self.rpcs.append(method)
+        raise AttributeError("'Worker' object has no attribute '_rlray_routing'")
+
+
+@pytest.mark.parametrize("vllm_captures", [True, False], ids=["gpu", "cpu"])
+def test_a_cancelled_generate_stays_a_cancellation(vllm_captures: bool) -> None:
+    """A generate cancelled before vLLM returned its routing (stop(), an HTTP timeout) raises CancelledError, not
+    the cleanup's error; on GPU (vLLM's own capture) no worker RPC is made at all (its workers keep no record)."""
+    from rlray.actors.engine import Engine
+
+    async def main() -> tuple[BaseException | None, list[str]]:
+        llm = _CancelledLLM()
+        engine = Engine(llm, capture_routing=True)
+        engine.vllm_captures = vllm_captures  # what Engine.create sets from enable_return_routed_experts
+        task = asyncio.ensure_future(engine.generate([1, 2, 3], max_tokens=8))
+        await asyncio.wait_for(llm.first.wait(), 30)
+        task.cancel()
+        done, _ = await asyncio.wait({task}, timeout=30)
+        assert done, "the cancelled generate did not end"
+        return (None if task.cancelled() else task.exception()), llm.rpcs
+
+    error, rpcs = asyncio.run(main())
+    assert error is None, f"the cancellation became {error!r}"
+    assert rpcs == ([] if vllm_captures else ["rlray_routing_take"])
