@@ -100,7 +100,7 @@ class RolloutActor:
         self.weights_backend = weights_backend
         self.colocated = colocated  # in a trainer rank's bundle (cluster.colocate): the engine takes turns with it
         self.loading = False  # inside a weight update (start_weight_update without its finish)
-        self._stop = asyncio.Event()
+        self._started = self._stopped = 0  # RL loops started, and stopped (`run`, `stop`)
         self.last_error: str | None = None
         self.failed_in_a_row = 0  # groups the engine failed since its last good one
         self.failure: str | None = None  # why the engine can serve no more, once it cannot
@@ -231,13 +231,16 @@ class RolloutActor:
         finally:
             slots.release()
 
-    async def run(self, buffer: Any) -> dict[str, Any]:
-        """Produce groups until `stop()`; raises EngineFailed when the engine can serve no more. A loop
-        started after a `stop()` (a trainer group re-created: rlray.orchestration.recovery) runs anew."""
-        self._stop.clear()
+    async def run(self, buffer: Any, loop: int = 0) -> dict[str, Any]:
+        """Produce groups until `stop()`; raises EngineFailed when the engine can serve no more. `loop` numbers the
+        caller's RL loops (0: the one after the last started): Ray does not order calls on an async actor, so a
+        `stop(loop)` that arrives before its `run` still ends it, and a loop started after a `stop()` (a trainer
+        group re-created: rlray.orchestration.recovery) runs anew."""
+        loop = loop or self._started + 1
+        self._started = max(self._started, loop)
         slots = asyncio.Semaphore(self.cfg.max_concurrent_groups)
         tasks: set[asyncio.Task] = set()
-        while not self._stop.is_set() and self._check_engine() is None:
+        while self._stopped < loop and self._check_engine() is None:
             await slots.acquire()
             granted = await buffer.reserve(self.version, 1)
             if not granted:
@@ -253,8 +256,9 @@ class RolloutActor:
             raise EngineFailed(self.failure)
         return await self.stats()
 
-    async def stop(self) -> None:
-        self._stop.set()
+    async def stop(self, loop: int | None = None) -> None:
+        """End RL loop `loop` and those before it, even one whose `run` has not arrived yet (None: the last started)."""
+        self._stopped = max(self._stopped, self._started if loop is None else loop)
 
     async def stats(self) -> dict[str, Any]:
         if getattr(self, "engine", None) is not None:

@@ -2,7 +2,9 @@
 
 Contract:
 - `group_advantages(rewards, std_normalize, eps, baseline)` returns one advantage per
-  rollout of a group: reward minus a baseline, optionally divided by (group std + eps).
+  rollout of a group: reward minus a baseline, optionally divided by (group std + eps), the
+  population std (ddof 0, numpy's default; verl and TRL divide by the sample std, ddof 1, so
+  rlray's advantages are sqrt(G/(G-1)) times theirs: 1.069x at G=8, 1.41x at G=2).
   baseline "mean": the group mean (GRPO, Shao et al. 2024).
   baseline "rloo": the mean of the *other* rollouts (REINFORCE leave-one-out,
   Ahmadian et al. 2024), r_i - mean_{j != i} r_j = G/(G-1) (r_i - mean); a group of

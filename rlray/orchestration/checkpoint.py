@@ -11,6 +11,10 @@ but the newest `keep` committed ones (and unfinished `.tmp` folders).
 `set_aside(path)` renames a checkpoint found damaged to `<name>.damaged` (`.damaged2`, ... when
 taken): never deleted, no longer committed (so `latest`, `complete` and `prune` skip it), and a
 later commit of the same step gets the name back.
+`finished(run_dir, stages, rl_steps, export_hf, lora)` reads a run folder before anything starts: the
+one-line account of a run that has done everything its config asks (its newest checkpoint is RL's
+last step, the export is there when asked for, summary.json holds the final evaluation), else None.
+`exported(run_dir, lora)` says whether the HF export is there.
 `Checkpoints(root, trainers, keep)` does this through a run's trainer ranks: `save(stage, step, meta)`
 commits one (every rank's shards, then every rank's checksums); `newest()` is the newest committed
 checkpoint whose files verify (each rank checks its own), `load(found)` loads it on every rank and
@@ -80,6 +84,25 @@ def prune(root: Path, keep: int) -> None:
         shutil.rmtree(old, ignore_errors=True)
     for tmp in root.glob(f"{PREFIX}*.tmp"):
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def exported(run_dir: Path, lora: bool) -> bool:
+    return (run_dir / "hf" / ("adapter/adapter_config.json" if lora else "config.json")).is_file()
+
+
+def finished(run_dir: Path, stages: list[str], rl_steps: int, export_hf: bool, lora: bool) -> str | None:
+    path = latest(run_dir / "checkpoints")
+    summary_file = run_dir / "summary.json"
+    if path is None or "rl" not in stages or not summary_file.is_file():
+        return None
+    meta, summary = read_meta(path), json.loads(summary_file.read_text())
+    ends = "rl_end_reward" in summary and ("eval" not in stages[stages.index("rl"):] or "eval_reward" in summary)
+    if (meta["stage"], meta["step"]) != ("rl", rl_steps) or not ends or (export_hf and not exported(run_dir, lora)):
+        return None
+    export = f", exported to {run_dir / 'hf'}" if export_hf else ""
+    return (f"run {run_dir} has finished already: RL step {rl_steps} of rl.steps={rl_steps} checkpointed ({path.name})"
+            f"{export}, held-out reward after RL {summary['rl_end_reward']:.3f} (summary.json); nothing to do "
+            "(raise rl.steps to train on, or give a new run.dir)")
 
 
 class Checkpoints:

@@ -11,7 +11,9 @@ groups queued and each rollout actor's last error. With
 `checkpoint.every` set, RL commits a checkpoint (trainer DCP shards, policy version,
 buffer counters, every file's checksum) at its start and every that many steps; a later run with
 the same run folder resumes from the newest committed one whose files verify and load (a damaged
-one is set aside, one line each: rlray.orchestration.checkpoint; an interrupted SFT restarts). The
+one is set aside, one line each: rlray.orchestration.checkpoint; an interrupted SFT restarts). A run
+folder that holds a finished run (rlray.orchestration.checkpoint.finished) is said so in one line
+before anything starts; one stopped after RL's last checkpoint does only the export and evaluation. The
 controller moves object references and version numbers; rollouts and batches go
 from actor to actor (SFT batches, built from the dataset here, are put once).
 The summary holds the held-out rewards (greedy unless eval.temperature > 0) after SFT and at the end of RL.
@@ -287,11 +289,15 @@ class Controller:
                   "was measured to; check rollout.dtype, trainer.param_dtype and trainer.router_replay", flush=True)
 
     def rl(self, resume: dict[str, Any] | None = None) -> None:
+        """RL to rl.steps, its checkpoint, the export and the final evaluation; resumed at rl.steps (a run stopped
+        after its last checkpoint), only the export (when missing) and the evaluation."""
         c = self.c
         step = self._rl_begin(resume)
         start = self.summary["rl_start_reward"]
-        self.fleet.start()
         lags: list[float] = []
+        final = step >= c.rl.steps
+        if not final:
+            self.fleet.start()
         while step < c.rl.steps:
             try:
                 if preemption.requested():
@@ -305,10 +311,11 @@ class Controller:
                 if not lost:
                     raise
                 step = recovery.recover(self, step, lost, e)
-        self.fleet.stop(self.version)
-        if self.checkpointing:
-            self.save("rl", c.rl.steps)
-        if c.checkpoint.export_hf:
+        if not final:
+            self.fleet.stop(self.version)
+            if self.checkpointing:
+                self.save("rl", c.rl.steps)
+        if c.checkpoint.export_hf and not (final and checkpoint.exported(self.run_dir, c.trainer.lora.enabled)):
             ray.get([t.export_hf.remote(str(self.run_dir / "hf"), c.checkpoint.export_merged) for t in self.h.trainers])
             what = "the trained LoRA adapter (PEFT) and its base" if c.trainer.lora.enabled else "the trained model"
             print(f"exported {what} to {self.run_dir / 'hf'}", flush=True)
@@ -376,6 +383,11 @@ class Controller:
 
 
 def run(c: Config) -> dict[str, Any]:
+    done = c.checkpoint.resume and checkpoint.finished(Path(c.run.dir), c.stages, c.rl.steps, c.checkpoint.export_hf,
+                                                       c.trainer.lora.enabled)
+    if done:  # decided from disk: no Ray, no actor, no wandb run
+        print(done, flush=True)
+        return {**json.loads((Path(c.run.dir) / "summary.json").read_text()), "finished_already": True}
     ctl = Controller(c)
     try:
         ctl.start()

@@ -75,6 +75,7 @@ class RolloutFleet:
         self.nodes: list[str | None] = [None] * n  # each actor's Ray node (`open`)
         self.loops: list[Any] = []  # each actor's RL loop while RL runs (None while it is replaced)
         self.running = False  # RL loops on (start .. stop / halt)
+        self.epoch = 0  # RL loops started: each actor's `run` and `stop` name the one they mean
         self.growth = Growth(c, handles) if cluster.elastic(c) else None
         self.joins = self.leaves = 0
         self.went: dict[tuple[int, int], bool] = {}  # (slot, incarnation) -> whether it went with its node
@@ -271,10 +272,10 @@ class RolloutFleet:
 
     # ---- RL loops ---------------------------------------------------------------------
     def _loop(self, i: int) -> Any:
-        return self.h.rollouts[i].run.remote(cluster.BufferClient(self.h.buffer, self.slots[i]))
+        return self.h.rollouts[i].run.remote(cluster.BufferClient(self.h.buffer, self.slots[i]), self.epoch)
 
     def start(self) -> None:
-        self.running = True
+        self.running, self.epoch = True, self.epoch + 1
         self.loops = [self._loop(i) for i in range(len(self.h.rollouts))]
 
     def _ended(self) -> dict[int, str]:
@@ -305,7 +306,7 @@ class RolloutFleet:
 
     def stop(self, version: int) -> None:
         """End the RL loops; an actor whose loop ended lost is replaced (with policy `version`)."""
-        stops = [r.stop.remote() for r in self.h.rollouts]
+        stops = [r.stop.remote(self.epoch) for r in self.h.rollouts]
         ray.wait(stops, num_returns=len(stops), timeout=self.c.weights.sync_timeout_s)
         failed = errors(self.loops, self.c.weights.sync_timeout_s)
         self.loops, self.running = [], False
@@ -317,7 +318,7 @@ class RolloutFleet:
         """End the RL loops and have every rollout actor leave the weight group, replacing none: the trainer
         side is gone (rlray.orchestration.recovery) and the group is re-formed with its successor."""
         timeout = self.c.weights.sync_timeout_s
-        errors([r.stop.remote() for r in self.h.rollouts] + [ref for ref in self.loops if ref is not None], timeout)
+        errors([r.stop.remote(self.epoch) for r in self.h.rollouts] + [ref for ref in self.loops if ref is not None], timeout)
         self.loops, self.running = [], False
         errors([r.shutdown_weight_transfer_engine.remote() for r in self.h.rollouts], timeout)
 

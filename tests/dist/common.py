@@ -23,11 +23,20 @@ def _run(rank: int, worker: Callable[..., None], *args: Any) -> None:
     os._exit(0)
 
 
-def spawn(worker: Callable[..., None], world: int, *args: Any) -> dict:
-    """Run `worker(rank, world, port, out, *args)` on `world` processes; returns the `out` dict."""
-    out = mp.Manager().dict()
-    mp.spawn(_run, args=(worker, world, free_port(), out, *args), nprocs=world, join=True)
-    return dict(out)
+def spawn(worker: Callable[..., None], world: int, *args: Any, tries: int = 3) -> dict:
+    """Run `worker(rank, world, port, out, *args)` on `world` processes; returns the `out` dict.
+
+    Rank 0 binds `port` (its trainer store) a second or two after it was found free, so another process may
+    take it first: a start that fails with EADDRINUSE is run again on a new port (nothing ran yet)."""
+    for attempt in range(tries):
+        out = mp.Manager().dict()
+        try:
+            mp.spawn(_run, args=(worker, world, free_port(), out, *args), nprocs=world, join=True)
+            return dict(out)
+        except mp.ProcessRaisedException as e:
+            if "EADDRINUSE" not in str(e) and "Address already in use" not in str(e) or attempt + 1 == tries:
+                raise
+    raise AssertionError("unreachable")
 
 
 def full_grads(model: nn.Module) -> dict[str, np.ndarray]:

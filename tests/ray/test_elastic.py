@@ -5,9 +5,12 @@ its process id (not `ray stop`, which would stop the head too), the pool shrinks
 restart, and the run completes every step once.
 
 Each engine bundle takes just over half of the CPUs the head has left beside the trainer, so the head
-holds one engine and only the new node can hold the second. The steps are paced from the metrics hook:
-it waits there for what needs no driver (the node registered, the engine up, the node declared dead),
-and lets the driver run for what needs it (placing, admitting, dropping).
+holds one engine and only the new node can hold the second. The metrics hook runs on the driver's thread,
+between steps: it waits there, each with a deadline and a message, only for what Ray does without the
+driver (the node registered, the engine's placement group placed, the engine up, its first group, the node
+declared dead), and lets steps pass while the driver acts (asking for the group, spawning the actor,
+admitting it at a sync, dropping it). The run's length follows the events: rl.steps is a cap, lowered to a
+few steps past the shrink once it happened, so no count of steps is assumed.
 """
 
 from __future__ import annotations
@@ -28,14 +31,32 @@ from rlray.orchestration.controller import run
 from rlray.orchestration.metrics import Metrics
 from tests.ray.conftest import tiny_config
 
-STEPS = 16
+CAP = 80  # RL steps at most; the run ends END_AFTER steps after the pool shrank
+END_AFTER = 3
 
 
-def wait_for(what: str, ok, timeout: float = 180) -> None:
+def wait_for(what: str, ok, timeout: float = 180, context=lambda: "") -> None:
     deadline = time.monotonic() + timeout
     while not ok():
-        assert time.monotonic() < deadline, f"waited {timeout:g}s for {what}"
+        assert time.monotonic() < deadline, f"waited {timeout:g}s for {what}; {context()}"
         time.sleep(0.5)
+
+
+def cluster_state() -> str:
+    """The placement groups (a pending one left by an earlier test would take a new node first) and each node's
+    free resources."""
+    from ray._private import state
+
+    groups = {g["name"] or pid[:8]: (g["state"], g["bundles"]) for pid, g in ray.util.placement_group_table().items()
+              if g["state"] != "REMOVED"}
+    free = {nid[:8]: {k: v for k, v in r.items() if k in ("CPU", "GPU")}
+            for nid, r in state.state.available_resources_per_node().items()}
+    return f"placement groups {groups}; free per node {free}"
+
+
+def group_state(name: str) -> str | None:
+    return next((g["state"] for g in ray.util.placement_group_table().values() if g["name"] == name
+                 and g["state"] != "REMOVED"), None)
 
 
 def alive_nodes() -> int:
@@ -89,11 +110,12 @@ class SecondNode:
 def test_the_pool_grows_with_a_joining_node_and_shrinks_when_its_raylet_dies(ray_cluster, tmp_path, monkeypatch,
                                                                                capsys) -> None:
     trainer_cpus = 2.0  # the tiny config's 2 ranks x 1 CPU
+    print(f"at the start: {cluster_state()}")
     room = ray.available_resources()["CPU"] - trainer_cpus
     per_engine = room // 2 + 1
     assert per_engine <= room < 2 * per_engine, ray.available_resources()
-    c = tiny_config(tmp_path, "stages=[rl]", f"rl.steps={STEPS}", "rollout.num_actors=1", "rollout.max_actors=2",
-                    "rollout.scale_every_s=1", f"rollout.cpus_per_actor={per_engine:g}", "eval.num_examples=8")
+    c = tiny_config(tmp_path, "stages=[rl]", f"rl.steps={CAP}", "rollout.num_actors=1", "rollout.max_actors=2",
+                    "rollout.scale_every_s=0.1", f"rollout.cpus_per_actor={per_engine:g}", "eval.num_examples=8")
     nodes_before = alive_nodes()
     events: dict[str, int] = {}
     node: list[SecondNode] = []
@@ -106,18 +128,22 @@ def test_the_pool_grows_with_a_joining_node_and_shrinks_when_its_raylet_dies(ray
         engines = values["rollout_actors"]
         if not node:
             node.append(SecondNode(per_engine))
-            wait_for("the second node to register", lambda: alive_nodes() == nodes_before + 1)
-        elif "up" not in events and spawned("rollout-1"):  # its engine starts without the driver
-            wait_for("rollout-1's engine to start", lambda: engine_up("rollout-1"), 300)
+            wait_for("the second node to register", lambda: alive_nodes() == nodes_before + 1, context=cluster_state)
+        elif "placed" not in events and group_state("rlray-rollout-1") is not None:  # the driver asked for it
+            wait_for("rlray-rollout-1 to be placed on the new node", lambda: group_state("rlray-rollout-1") == "CREATED",
+                     120, cluster_state)
+            events["placed"] = at
+        elif "placed" in events and "up" not in events and spawned("rollout-1"):  # it starts without the driver
+            wait_for("rollout-1's engine to start", lambda: engine_up("rollout-1"), 300, cluster_state)
             events["up"] = at
-        elif "up" not in events:
-            time.sleep(1)  # the driver places the bundle and spawns rollout-1 between steps
-        elif "killed" not in events and engines == 2 and groups_of("rollout-1") > 0:
+        elif "up" in events and "killed" not in events and engines == 2:  # admitted at a sync
+            wait_for("rollout-1's first group", lambda: groups_of("rollout-1") > 0, 120)
             node[0].kill_raylet()
             events["killed"] = at
-            wait_for("Ray to declare the node dead", lambda: alive_nodes() == nodes_before, 120)
-        elif "killed" not in events:
-            time.sleep(0.5)
+            wait_for("Ray to declare the node dead", lambda: alive_nodes() == nodes_before, 120, cluster_state)
+        elif "killed" in events and "left" not in events and engines == 1:  # dropped by the driver
+            events["left"] = at
+            c.rl.steps = at + 1 + END_AFTER  # the controller's loop reads it at every step
 
     monkeypatch.setattr(Metrics, "log", log)
     try:
@@ -128,8 +154,8 @@ def test_the_pool_grows_with_a_joining_node_and_shrinks_when_its_raylet_dies(ray
     out = capsys.readouterr().out
     records = [r for r in map(json.loads, (Path(c.run.dir) / "metrics.jsonl").read_text().splitlines())
                if r["stage"] == "rl"]
-    assert [r["step"] for r in records] == list(range(STEPS)) and "rl_end_reward" in summary
-    assert "killed" in events, f"the run ended before the pool grew and shrank: {events}\n{out}"
+    assert "left" in events, f"the run ended before the pool grew and shrank: {events}; {cluster_state()}\n{out}"
+    assert [r["step"] for r in records] == list(range(events["left"] + 1 + END_AFTER)) and "rl_end_reward" in summary
     engines = [r["rollout_actors"] for r in records]
     assert [k for k, _ in itertools.groupby(engines)] == [1, 2, 1], engines
     last = records[-1]

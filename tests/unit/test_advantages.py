@@ -32,6 +32,23 @@ def test_rloo_leaves_each_rollout_out_of_its_baseline() -> None:
         group_advantages(r, baseline="median")
 
 
+def test_the_group_std_is_the_population_std() -> None:
+    """rlray divides by the population std (ddof 0), by hand: G=8 with two rewards of 1 has mean 0.25 and
+    variance (2 x 0.75^2 + 6 x 0.25^2) / 8 = 0.1875. verl and TRL divide by the sample std (ddof 1, /7):
+    their advantages are sqrt(7/8) of these (rlray's are 1.069x theirs at G=8, 1.41x at G=2). A group of one
+    (or all equal) gets 0, with no division by zero."""
+    r = np.array([1.0, 1.0, 0, 0, 0, 0, 0, 0])
+    adv = group_advantages(r, True, 1e-4)
+    np.testing.assert_allclose(adv[[0, 2]], [0.75 / (np.sqrt(0.1875) + 1e-4), -0.25 / (np.sqrt(0.1875) + 1e-4)],
+                               rtol=1e-6)
+    sample = (r - 0.25) / (np.sqrt(1.5 / 7) + 1e-4)
+    assert adv[0] / sample[0] == pytest.approx(np.sqrt(8 / 7), rel=1e-3) == pytest.approx(1.069, abs=1e-3)
+    pair = group_advantages(np.array([1.0, 0.0]), True, 0.0)
+    assert pair.tolist() == [1.0, -1.0]  # ddof 1 would give +-0.707: 1.41x
+    assert group_advantages(np.array([0.7]), True).tolist() == [0.0]
+    assert group_advantages(np.array([0.5, 0.5, 0.5]), True).tolist() == [0.0, 0.0, 0.0]
+
+
 def test_soft_overlong_penalty_by_hand() -> None:
     # L_max 10, L_cache 4: free up to 6 tokens, then -1/4 per token, -1 from 10 on (times the factor)
     got = overlong_penalty(np.array([5, 6, 7, 8, 10, 12]), max_tokens=10, buffer=4, factor=0.5)

@@ -128,3 +128,19 @@ def test_limits_must_be_positive(section: str, key: str, value: float) -> None:
     setattr(getattr(c, section), key, value)
     with pytest.raises(ConfigError, match=f"{section}.{key}={value} must be"):
         validate(c)
+
+
+def test_a_stop_that_arrives_before_its_run_still_ends_that_loop() -> None:
+    """Ray does not order calls on an async actor: the fleet's stop(n) may run before its run(buffer, n) (a run
+    resumed at its last step starts and stops its loops at once). That loop ends at once; a later loop runs."""
+    a, _ = actor()
+    buf = FakeBuffer(a, stop_after=3)
+
+    async def go() -> None:
+        await a.stop(1)
+        await asyncio.wait_for(a.run(buf, 1), 5)
+        assert buf.puts == 0
+        await asyncio.wait_for(a.run(buf, 2), 5)  # the next loop (a trainer group re-created) runs until stopped
+        assert buf.puts == 3
+
+    asyncio.run(go())
