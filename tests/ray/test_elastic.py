@@ -168,6 +168,22 @@ def test_the_pool_grows_with_a_joining_node_and_shrinks_when_its_raylet_dies(ray
     assert "Traceback" not in out
 
 
+def test_a_placed_group_is_seen_placed_every_time(ray_cluster) -> None:
+    """The pool's growth asks whether its engine's bundle is placed once per look; `pg.wait(0)` raced its own RPC
+    and said no for a placed group in about 1 call of 5 under load, so the pool could look for ever."""
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    pg = placement_group([{"CPU": 0.01}], name="rlray-test-placed")
+    try:
+        assert pg.wait(timeout_seconds=60)
+        assert all(cluster.placed(pg) for _ in range(300))
+        pending = placement_group([{"CPU": 10_000}], name="rlray-test-pending")
+        assert not cluster.placed(pending)
+        remove_placement_group(pending)
+    finally:
+        remove_placement_group(pg)
+
+
 def test_elastic_keys_are_checked(tmp_path) -> None:
     from rlray.config import ConfigError
 
