@@ -44,6 +44,7 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LoopThread
     engine = loop.run(Engine.create(str(path), max_model_len=256, seed=0, weights_backend="shm",
                                     engine_kwargs=ENGINE_KWARGS), timeout=300)
     model.client = EngineClient(loop, [engine], timeout_s=60.0)
+    # shm binds no port: master_port only names the /dev/shm files (rlray-weights-<port>), unique per test run
     spec = TrainerSpec("shm", "127.0.0.1", free_port(), 2, ROUND_BYTES, 60.0, stride=1, workers=1)
     model.transfer = trainer_engine(spec, 0, model.client, model.source)
     try:

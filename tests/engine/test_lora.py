@@ -26,7 +26,6 @@ from tests.engine.test_engine_sync import (
     PROMPT,
     TOKENS,
     build_model,
-    free_port,
     max_diff,
     version_probe,
 )
@@ -69,7 +68,8 @@ def served(setup: tuple, ) -> Iterator[tuple[Engine, WeightPublisher, LoopThread
                                     lora_rank=LORA.rank), timeout=300)
     publisher = WeightPublisher(adapted, torch.device("cpu"), 0, None,
                                 adapter_config(LORA, adapted_modules(adapted), str(path)))
-    spec = TrainerSpec("gloo", "127.0.0.1", free_port(), 1 + engine.workers(), 64 * 1024, 60.0)
+    # port 0: rank 0 serves the group's store on a port bound as it is chosen (no free_port() race)
+    spec = TrainerSpec("gloo", "127.0.0.1", 0, 1 + engine.workers(), 64 * 1024, 60.0)
     publisher.open(spec, EngineClient(loop, [engine], timeout_s=60.0))
     yield engine, publisher, loop
     loop.run(engine.shutdown_weight_transfer(), timeout=30)

@@ -342,20 +342,21 @@ def trainer_round_trip(loop_thread: LoopThread, engine: Engine, model: ModelConf
     from rlray.data.layout import model_inputs
     from rlray.data.packing import Sample, pack
     from rlray.types import Images
-    from tests.engine.test_engine_sync import BUCKET_BYTES, free_port
+    from tests.engine.test_engine_sync import BUCKET_BYTES
 
     images = Images(prompt.inputs["pixel_values"].numpy(), prompt.inputs["image_grid_thw"].numpy(),
                     vision.placeholder_spans(prompt.ids, engine.image_pad))
     n = len(completion)
     sample = Sample(np.asarray(prompt.ids), np.asarray(completion), np.ones(n, np.float32), 1.0,
                     np.full(n, -2.0, np.float32), images=images, routing=routing)
-    actor = TrainerActor(0, 1, f"127.0.0.1:{free_port()}", model, TrainerConfig(num_ranks=1), algo_config(loss="dapo"),
+    actor = TrainerActor(0, 1, "127.0.0.1:0", model, TrainerConfig(num_ranks=1), algo_config(loss="dapo"),
                          "gloo", temperature=1.0)
+    actor.serve_group()  # rank 0's store on a port bound as it is chosen (no free_port() race)
     actor.setup()
     try:
         actor.set_stage(lr=3e-2, warmup_steps=0)
-        actor.init_weight_group(TrainerSpec("gloo", "127.0.0.1", free_port(), 1 + engine.workers(), BUCKET_BYTES,
-                                            60.0), EngineClient(loop_thread, [engine], timeout_s=60.0))
+        spec = TrainerSpec("gloo", "127.0.0.1", 0, 1 + engine.workers(), BUCKET_BYTES, 60.0)  # port 0: bound as chosen
+        actor.init_weight_group(spec, EngineClient(loop_thread, [engine], timeout_s=60.0))
 
         def gap() -> float:
             mb = pack([sample], 1, micro_batch_tokens=4096, pad_id=0)[0][0]

@@ -65,10 +65,11 @@ def test_dead_engines_are_replaced_between_syncs_until_max_restarts(ray_cluster,
     c.stages = ["rl"]
     kills = kill_engines_at(monkeypatch, {0: "rollout-0", 5: "rollout-0.1"})
     thread, out = start(c)
-    thread.join(timeout=900)
+    thread.join(timeout=1100)  # bounds a hang only: ~4 min unloaded, 15 min beside busy processes
     assert not thread.is_alive(), "the run did not stop after the second engine death"
     assert len(kills) == 2 and isinstance(out.get("error"), RuntimeError), out
-    assert out["raised_at"] - kills[1] < 60
+    stopped_after = out["raised_at"] - kills[1]  # seen by the health check, not after rl.batch_timeout_s=600
+    assert stopped_after < 60, f"the run stopped {stopped_after:.1f} s after the second engine death"
     message = str(out["error"])
     assert "\n" not in message
     assert message.startswith("rollout-0.1 was lost: its vLLM engine died (EngineDeadError: "), message
@@ -97,7 +98,8 @@ def test_a_starved_step_fails_naming_what_it_waited_for(ray_cluster, tmp_path) -
     t0 = time.monotonic()
     with pytest.raises(RuntimeError) as caught:
         ctl._wait([ray.ObjectRef.from_random()], 7)  # never ready
-    assert 1.5 <= time.monotonic() - t0 < 10
+    waited = time.monotonic() - t0
+    assert 1.5 <= waited < 60, f"the starved step failed after {waited:.1f} s"  # the bound only catches a hang
     assert str(caught.value) == ("RL step 7 waited rl.batch_timeout_s=1.5s for its batch: 1 of 4 groups queued; "
                                  "last errors: rollout-0: ValueError: no; rollout-1: none; rollout pool of 0 "
                                  "(rollout.num_actors=1 .. rollout.max_actors=2; 1 joined, 2 left). "
@@ -166,7 +168,8 @@ def test_an_engine_lost_mid_sync_on_nccl_stops_the_run_in_one_line(hung_trainer)
     t0, before = time.monotonic(), closes(hung_trainer)
     with pytest.raises(RuntimeError) as caught:
         fleet.sync(1)
-    assert time.monotonic() - t0 < 10
+    took = time.monotonic() - t0
+    assert took < 60, f"the sync stopped after {took:.1f} s"  # not after the hung broadcast's hour
     message = str(caught.value)
     assert "\n" not in message
     assert message.startswith("rollout-0 was lost (its vLLM engine died (EngineDeadError: EngineCore died)) during "
@@ -185,7 +188,8 @@ def test_a_sync_past_its_deadline_never_queues_behind_the_hung_broadcast(hung_tr
     with pytest.raises(RuntimeError, match=r"^the weight sync to policy version 1 did not finish within "
                                            r"weights.sync_timeout_s=2s and no rollout actor was lost"):
         fleet.sync(1)
-    assert 2 <= time.monotonic() - t0 < 15
+    took = time.monotonic() - t0
+    assert 2 <= took < 60, f"the sync failed after {took:.1f} s"  # not after the hung broadcast's hour
     assert closes(hung_trainer) == before + 1
     for a in fleet.h.rollouts:
         ray.kill(a)

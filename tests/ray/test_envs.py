@@ -134,13 +134,13 @@ def test_env_module_trains_by_id_with_failures_while_serving_openai(ray_cluster,
     out: dict = {}
     thread = threading.Thread(target=lambda: out.update(summary=run(c)), daemon=True)
     thread.start()
-    url = rollout_endpoint(time.time() + 600, thread)
+    url = rollout_endpoint(time.time() + 1100, thread)  # the engine's start: minutes on a loaded machine
     client = OpenAI(base_url=url, api_key="EMPTY", max_retries=0)
     r = client.chat.completions.create(model="rlray", messages=[{"role": "user", "content": "rev:abc="}],
                                        max_tokens=8, temperature=1.0, logprobs=True,
                                        extra_body={"return_token_ids": True})
     during = thread.is_alive()
-    thread.join(timeout=900)
+    thread.join(timeout=1100)  # bounds a hang only (pytest's timeout is 1200 s): a loaded machine is slow
     assert during, "the run had finished before the endpoint answered"
     assert not thread.is_alive() and "summary" in out
     choice = r.choices[0]
@@ -172,7 +172,6 @@ def test_tool_env_with_a_hanging_tool_trains_end_to_end(ray_cluster, tmp_path) -
                                    "tool_timeout_s": 1.0, "allow_biased_sampling": True},
                     rl={"steps": 3}, eval={"num_examples": 8, "num_samples": 2, "temperature": 1.0})
     c.stages = ["rl"]
-    t0 = time.time()
     summary = run(c)
     rl = records(c.run.dir, "metrics.jsonl", "rl")
     assert [x["step"] for x in rl] == list(range(3)) and summary["rl_end_reward"] >= 0.0
@@ -182,7 +181,8 @@ def test_tool_env_with_a_hanging_tool_trains_end_to_end(ray_cluster, tmp_path) -
     timeouts = [x for x in errors if x is not None]
     assert timeouts and all(x == "ToolTimeout: tool 'calc' ran past env.tool_timeout_s=1.0s" for x in timeouts)
     assert None in errors  # the rollouts whose calls did not hang went through
-    assert time.time() - t0 < 600
+    # (no bound on the run's seconds: the ToolTimeout errors above show each hang cut at 1 s, and a loaded
+    # machine can take minutes to start the engine; pytest's timeout catches a hung run)
 
 
 V1_TASKSET = '''
@@ -244,7 +244,7 @@ def test_classic_and_v1_envs_train_together_by_id_with_failures_counted(ray_clus
     thread = threading.Thread(target=lambda: out.update(summary=run(c)), daemon=True)
     thread.start()
     kill_v1_env_actor_after_rl_step(c.run.dir, 1, thread)
-    thread.join(timeout=900)
+    thread.join(timeout=1100)  # bounds a hang only (pytest's timeout is 1200 s): a loaded machine is slow
     assert not thread.is_alive() and "summary" in out
     rl = records(c.run.dir, "metrics.jsonl", "rl")
     assert [x["step"] for x in rl] == list(range(5))

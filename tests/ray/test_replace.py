@@ -29,8 +29,19 @@ def rl_records(run_dir: str) -> list[dict]:
     return [r for r in map(json.loads, path.read_text().splitlines()) if r["stage"] == "rl"]
 
 
-def kill_engine_mid_broadcast(fleet: RolloutFleet) -> None:
-    """Kill the engine of rollout actor 0 while the sync that starts now is in its broadcast.
+def loading(actor: ray.actor.ActorHandle) -> bool:
+    """Whether `actor`'s `update_weights` is running (Ray's task events, reported about once a second):
+    trainer rank 0 asks for it only once every engine's `start_weight_update` has returned."""
+    from ray.util.state import list_tasks
+
+    tasks = list_tasks(address=ray.get_runtime_context().gcs_address, raise_on_missing_output=False,
+                       filters=[("actor_id", "=", actor._actor_id.hex()), ("state", "=", "RUNNING")])
+    return any(t.name.endswith(".update_weights") for t in tasks)
+
+
+def kill_engine_mid_broadcast(fleet: RolloutFleet, problems: list[str]) -> None:
+    """Kill the engine of rollout actor 0 while the sync that starts now is in its broadcast; what
+    went wrong on the way goes to `problems`.
 
     Trainer rank 1 is frozen first, so rank 0 waits in its first gather while the engine, its load
     started, waits for the first bucket; the engine is killed there, then rank 1 thawed: rank 0's
@@ -41,10 +52,14 @@ def kill_engine_mid_broadcast(fleet: RolloutFleet) -> None:
 
     def kill() -> None:
         try:
-            while not ray.get(actor.stats.remote(), timeout=60)["loading"]:  # start_weight_update began
-                time.sleep(0.01)
-            time.sleep(1.0)  # it finished, and the load waits for the first bucket
+            deadline = time.monotonic() + 120
+            while not loading(actor):  # start_weight_update finished: the load waits for the first bucket
+                if time.monotonic() > deadline:
+                    raise TimeoutError("rollout-0's update_weights was not running 120 s into the sync")
+                time.sleep(0.1)
             kill_engine(actor)
+        except Exception as e:
+            problems.append(f"{type(e).__name__}: {e}")
         finally:
             rank1.resume()
 
@@ -61,11 +76,12 @@ def test_killed_rollout_actors_are_replaced(ray_cluster, tmp_path, monkeypatch) 
     real_sync, real_broadcast = RolloutFleet.sync, RolloutFleet._broadcast
     lost_in_sync: list[int] = []
     killed_mid_sync: list[int] = []
+    problems: list[str] = []
 
     def broadcast_losing_an_engine(self: RolloutFleet, version: int) -> tuple:
         if self.loops and version == 5 and not killed_mid_sync:
             killed_mid_sync.append(version)
-            kill_engine_mid_broadcast(self)
+            kill_engine_mid_broadcast(self, problems)
         return real_broadcast(self, version)
 
     def sync_losing_an_actor(self: RolloutFleet, version: int) -> dict:
@@ -93,7 +109,7 @@ def test_killed_rollout_actors_are_replaced(ray_cluster, tmp_path, monkeypatch) 
     assert not thread.is_alive() and "summary" in out
 
     rl = rl_records(c.run.dir)
-    assert lost_in_sync == [6] and killed_mid_sync == [5]
+    assert lost_in_sync == [6] and killed_mid_sync == [5] and not problems, problems
     assert [r["step"] for r in rl] == list(range(8))
     restarts = [r["rollout_restarts"] for r in rl]  # logged before each step's sync
     assert restarts[:3] == [0, 0, 0] and restarts[3] in (0, 1) and restarts[4:] == [1, 2, 3, 3]
@@ -109,8 +125,12 @@ def test_killed_rollout_actors_are_replaced(ray_cluster, tmp_path, monkeypatch) 
 def kill(actor) -> None:  # type: ignore[no-untyped-def]
     """Kill `actor` and return once Ray reports it dead."""
     ray.kill(actor, no_restart=True)
+    deadline = time.monotonic() + 120
     while True:
         try:
             ray.get(actor.stats.remote(), timeout=10)
         except ray.exceptions.RayActorError:
             return
+        except ray.exceptions.GetTimeoutError:  # a loaded machine: ask again
+            pass
+        assert time.monotonic() < deadline, "Ray did not report the killed rollout actor dead within 120 s"

@@ -65,7 +65,8 @@ def test_past_max_restarts_a_lost_rank_stops_the_run_in_one_line(ray_cluster, tm
     killed = kill_trainer_at(monkeypatch, 1, "trainer-0")
     with pytest.raises(RuntimeError) as info:
         run(c)
-    assert time.monotonic() - killed[0] < 60
+    stopped_after = time.monotonic() - killed[0]  # the rank's death seen by the next call to it, not a hang
+    assert stopped_after < 60, f"the run stopped {stopped_after:.1f} s after trainer-0 was killed"
     message = str(info.value)
     assert "\n" not in message and message.startswith("trainer-0 was lost during RL step 2 (its process died)")
     assert "trainer.max_restarts=0 allows no more recoveries (0 used)" in message

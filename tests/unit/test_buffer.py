@@ -102,7 +102,7 @@ def test_get_batch_waits_for_a_full_batch() -> None:
         await asyncio.sleep(0.05)
         assert not task.done()
         await buf.put([group(0)])
-        per_rank = await asyncio.wait_for(task, 1)
+        per_rank = await asyncio.wait_for(task, 30)  # the batch is full now: only a hang takes this long
         assert len(per_rank) == 2 and len(per_rank[0]) == len(per_rank[1])
     asyncio.run(go())
 
