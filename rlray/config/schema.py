@@ -140,11 +140,12 @@ class RolloutConfig:
 
 
 def _device_defaults(section: Any, gpus: float) -> None:
-    """An engine section's keys left None take their device's default (RolloutConfig.*_DEFAULTS)."""
+    """An engine section's keys left None take their device's default (RolloutConfig.*_DEFAULTS); `defaulted`
+    names them (a family may need another CPU dtype: Config.__post_init__)."""
     defaults = RolloutConfig.GPU_DEFAULTS if gpus > 0 else RolloutConfig.CPU_DEFAULTS
-    for key, value in defaults.items():
-        if getattr(section, key) is None:
-            setattr(section, key, value)
+    section.defaulted = {key for key in defaults if getattr(section, key) is None}
+    for key in section.defaulted:
+        setattr(section, key, defaults[key])
 
 
 @dataclass

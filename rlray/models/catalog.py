@@ -82,6 +82,21 @@ GLM45V = {  # zai-org/GLM-4.5V: GLM-4.5-Air's language model (12B active) and a 
     "image_token_id": 151363, "video_token_id": 151364, "image_start_token_id": 151339, "image_end_token_id": 151340,
     "video_start_token_id": 151341, "video_end_token_id": 151342, "tie_word_embeddings": False,
 }
+_GATED_DELTA_NET = {"full_attention_interval": 4, "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128,
+                    "linear_num_key_heads": 16, "linear_num_value_heads": 32, "linear_value_head_dim": 128}
+QWEN3_NEXT_80B = {  # Qwen/Qwen3-Next-80B-A3B-Instruct: 80B total, 3B active; transformers' Qwen3NextConfig documents it
+    "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 48,
+    "num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 256, "partial_rotary_factor": 0.25,
+    **_GATED_DELTA_NET, "num_experts": 512, "num_experts_per_tok": 10, "moe_intermediate_size": 512,
+    "shared_expert_intermediate_size": 512, "decoder_sparse_step": 1, "norm_topk_prob": True,
+    "max_position_embeddings": 262144, "rope_theta": 10000000.0, "tie_word_embeddings": False, "rms_norm_eps": 1e-6,
+}
+QWEN3_5_35B_A3B = {  # Qwen/Qwen3.5-35B-A3B's language model (the hub checkpoint adds a vision tower): 35B, 3B active
+    "vocab_size": 248320, "hidden_size": 2048, "num_hidden_layers": 40, "num_attention_heads": 16,
+    "num_key_value_heads": 2, "head_dim": 256, "partial_rotary_factor": 0.25, **_GATED_DELTA_NET, "num_experts": 256,
+    "num_experts_per_tok": 8, "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512,
+    "max_position_embeddings": 32768, "tie_word_embeddings": False, "rms_norm_eps": 1e-6,
+}
 CATALOG: dict[str, Entry] = {
     "zai-org/GLM-4.5-Air": Entry("glm4_moe", GLM45_AIR, "106B", "12B", active_with_embeddings=False),
     "Qwen/Qwen3-30B-A3B": Entry("qwen3_moe", QWEN3_30B_A3B, "30.5B", "3.3B", active_with_embeddings=True),
@@ -91,6 +106,10 @@ CATALOG: dict[str, Entry] = {
                                             active_with_embeddings=True),
     # its active figure is the language model's without embeddings, head and vision tower (the test's rule)
     "zai-org/GLM-4.5V": Entry("glm4v_moe", GLM45V, "108B", "12B", active_with_embeddings=False),
+    # 2026's gated delta-net hybrids: the cards' active figures leave out embeddings and head (MTP is not counted:
+    # transformers drops the checkpoints' mtp.* weights, and the cards quote the main model)
+    "Qwen/Qwen3-Next-80B-A3B-Instruct": Entry("qwen3_next", QWEN3_NEXT_80B, "80B", "3B", active_with_embeddings=False),
+    "Qwen/Qwen3.5-35B-A3B": Entry("qwen3_5_moe_text", QWEN3_5_35B_A3B, "35B", "3B", active_with_embeddings=False),
 }
 
 

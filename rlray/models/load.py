@@ -30,9 +30,11 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from rlray.config import TrainerConfig
+from rlray.config.families import expert_params, family, known, moe_attrs
 from rlray.models.attention import PACKED, packed_attention
 from rlray.models.lora import apply_lora, checkpoint_name, init_adapters, is_adapter
 from rlray.models.multimodal import freeze_vision, is_vision
+from rlray.models.recurrent import reset_per_sequence
 from rlray.parallel import context
 from rlray.parallel.dims import ParallelDims
 from rlray.parallel.hf import (
@@ -43,7 +45,9 @@ from rlray.parallel.hf import (
 )
 from rlray.parallel.parallelize import DTYPES, parallelize
 
-FUSED = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<param>gate_up_proj|down_proj)$")
+# a fused expert parameter's name, from the family records (rlray.config.families)
+FUSED = re.compile(rf"^(?P<prefix>.*\.(?:{'|'.join(sorted({e for _, e in moe_attrs()}))}))"
+                   rf"\.(?P<param>{'|'.join(expert_params())})$")
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # offsets, sizes
 CP_ATTENTION = "rlray_cp"
 FLASH_DTYPES = ("bfloat16", "float16")
@@ -87,6 +91,10 @@ def build_model(path: str, dims: ParallelDims, cfg: TrainerConfig, device: torch
     folder = local_folder(path)
     config = read_config(str(folder))
     dims.check_model(config)
+    f = family(config.model_type) if known(config.model_type) else None
+    if f is not None and not f.cp and dims.cp_enabled:
+        raise ValueError(f"trainer.cp={dims.cp}: context parallelism splits attention, and {f.name}'s recurrent layers "
+                         f"({f.recurrent}) would run over split sequences; set trainer.cp=1")
     vision = is_vision(config)
     if vision and dims.cp_enabled:
         raise ValueError(f"trainer.cp={dims.cp}: context parallelism does not split image sequences; set "
@@ -99,6 +107,8 @@ def build_model(path: str, dims: ParallelDims, cfg: TrainerConfig, device: torch
         model = auto.from_config(config, dtype=torch.float32, attn_implementation=attention)
     if vision:
         text_positions_to_layers(model)
+    if f is not None and f.recurrent:  # packed rows: the recurrent mixer runs once per sequence
+        reset_per_sequence(model, f.recurrent)
     if cfg.freeze_vision:
         freeze_vision(model)
     if cfg.lora.enabled:

@@ -36,6 +36,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from rlray.config import LoraConfig
+from rlray.config.families import family, known
 
 ADAPTER = "default"  # PEFT's adapter name inside the model
 _ADAPTER_PART = re.compile(rf"\.(lora_A|lora_B)\.{ADAPTER}\.")
@@ -51,7 +52,9 @@ def _layers(model: nn.Module) -> nn.ModuleList:
 def lora_targets(model: nn.Module, cfg: LoraConfig) -> list[str]:
     """Full module names (`model.layers.3.self_attn.q_proj`) that get an adapter."""
     if cfg.target_modules is None:
-        wanted = set(cfg.DEFAULT_TARGETS) & _linear_leaves(model)
+        model_type = getattr(getattr(model, "config", None), "model_type", None)
+        defaults = family(model_type).lora_targets if known(model_type) else cfg.DEFAULT_TARGETS
+        wanted = set(defaults) & _linear_leaves(model)
     else:
         wanted = set(cfg.target_modules)
     found: dict[str, list[str]] = {leaf: [] for leaf in wanted}

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rlray.config import LoraConfig
+from rlray.config.families import Family, family, known
 from rlray.models.lora import adapter_params
 from rlray.parallel.dims import num_experts
 from rlray.types import route_dtype
@@ -44,6 +45,17 @@ class ModelShape:
     largest: tuple[str, int] = ("", 0)  # the largest parameter: (name, elements)
     buffers: tuple[str, ...] = ()  # persistent buffers: in the checkpoint, never in a weight sync
     tower_params: int = 0  # a vision-language model's vision tower (unsent with trainer.freeze_vision)
+
+    @property
+    def family(self) -> Family | None:
+        """The model's family record (rlray.config.families), None for an architecture rlray has no record of."""
+        return family(self.hf.model_type) if known(self.hf.model_type) else None
+
+    @property
+    def full_attention_layers(self) -> int:
+        from rlray.models.cache import FULL, layer_kinds
+
+        return layer_kinds(self.hf.get_text_config()).count(FULL)
 
     @property
     def routing_bytes(self) -> int:

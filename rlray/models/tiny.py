@@ -1,8 +1,9 @@
 """Tiny random-weight models of the real architectures, built offline.
 
 Contract: `model_path(cfg)` returns a directory that transformers and vLLM can both
-load. For `cfg.name == "tiny"` it materialises a random-weight model of `cfg.arch`
-(`ARCHS`, or a vision-language family of `rlray.models.vision`) with the offline character tokenizer in a cache keyed by the config
+load. For `cfg.name == "tiny"` it materialises a random-weight model of `cfg.arch` (a family of
+rlray.config.families: its config class and tiny dimensions, or its vision-language twin in
+rlray.models.vision) with the offline character tokenizer in a cache keyed by the config
 (`$RLRAY_CACHE`, default `<tmp>/rlray-models`); the seed makes every node build
 identical weights. Any other name is returned unchanged (an HF id or a local path).
 
@@ -24,11 +25,11 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from rlray.config import ModelConfig
+from rlray.config.families import family
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -59,38 +60,16 @@ def _common(cfg: ModelConfig, vocab: int, tok) -> dict:
     }
 
 
-def _moe(cfg: ModelConfig) -> dict:
-    return {"num_experts_per_tok": cfg.experts_per_token, "moe_intermediate_size": cfg.moe_intermediate_size}
-
-
-# The tiny architectures (`model.arch`): transformers' config class and what the architecture adds
-# to the shared dimensions. Adding a family is one entry (and its test models run everywhere).
-ARCHS: dict[str, tuple[str, Callable[[ModelConfig], dict]]] = {
-    "qwen3": ("Qwen3Config", lambda cfg: {}),
-    "llama": ("LlamaConfig", lambda cfg: {}),
-    "qwen3_moe": ("Qwen3MoeConfig", lambda cfg: {**_moe(cfg), "num_experts": cfg.num_experts,
-                                                 "decoder_sparse_step": 1}),
-    "glm4_moe": ("Glm4MoeConfig", lambda cfg: {**_moe(cfg), "n_routed_experts": cfg.num_experts,
-                                               "n_shared_experts": 1, "first_k_dense_replace": 1, "n_group": 1,
-                                               "topk_group": 1}),
-}
-DEFAULT_ARCH = "qwen3"
-
-
 def tiny_architecture(cfg: ModelConfig, vocab: int, tok) -> PretrainedConfig:
-    """The transformers config of a tiny `cfg.arch` model (qwen3 when unset) over `tok`'s vocabulary."""
+    """The transformers config of a tiny `cfg.arch` model (the default family when unset) over `tok`'s vocabulary."""
     import transformers
 
     from rlray.models import vision
 
-    arch = cfg.arch or DEFAULT_ARCH
-    if arch in vision.VISION_ARCHS:  # its own tokenizer: the character one plus the family's vision tokens
-        return vision.VISION_ARCHS[arch].config(cfg, vision.vision_tokenizer(arch))
-    if arch not in ARCHS:
-        raise ValueError(f"model.arch='{arch}' is not a tiny architecture; choose one of "
-                         f"{sorted([*ARCHS, *vision.VISION_ARCHS])}")
-    config_class, extra = ARCHS[arch]
-    return getattr(transformers, config_class)(**_common(cfg, vocab, tok), **extra(cfg))
+    f = family(cfg.arch)
+    if f.vision:  # its own tokenizer: the character one plus the family's vision tokens
+        return vision.VISION_ARCHS[f.vision].config(cfg, vision.vision_tokenizer(f.vision))
+    return getattr(transformers, f.config_class)(**_common(cfg, vocab, tok), **f.tiny(cfg))
 
 
 BUILD = 2  # bumped when a build writes other files for the same config (2: Qwen3-VL-MoE's expert layout)
@@ -109,7 +88,7 @@ def build(cfg: ModelConfig, out: Path) -> None:
     from rlray.data.tokenizer import char_tokenizer
     from rlray.models import vision
 
-    if cfg.arch in vision.VISION_ARCHS:  # a vision-language family: its processor is written too
+    if family(cfg.arch).vision:  # a vision-language family: its processor is written too
         vision.build_tiny(cfg, out)
         return
 

@@ -18,6 +18,8 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from rlray.config.families import family
+
 if TYPE_CHECKING:
     from rlray.config import ModelConfig
 
@@ -123,29 +125,28 @@ def _glm4v_processor(tok: Any) -> Any:
 
 
 @dataclass(frozen=True)
-class Family:
+class Twin:
     config: Callable[[ModelConfig, Any], Any]  # the tiny transformers config over the family's tokenizer
     processor: Callable[[Any], Any]  # the offline processor over that tokenizer
     tokens: tuple[str, ...]  # the vision tokens added to rlray's character tokenizer
     template: str  # the plain chat template, an image part rendered as the family's tokens
 
 
-# family (transformers' model_type) -> its tiny twin; AutoModelForImageTextToText builds the model
+# a family's `vision` key (rlray.config.families) -> its tiny twin; AutoModelForImageTextToText builds the model
 VISION_ARCHS = {
-    "qwen3_vl": Family(_qwen3_vl, _qwen3_vl_processor, QWEN_TOKENS, CHAT_TEMPLATE),
-    "qwen3_vl_moe": Family(partial(_qwen3_vl, moe=True), _qwen3_vl_processor, QWEN_TOKENS, CHAT_TEMPLATE),
-    "glm4v_moe": Family(_glm4v_moe, _glm4v_processor, GLM_TOKENS,
-                        chat_template("<|begin_of_image|><|image|><|end_of_image|>")),
+    "qwen3_vl": Twin(_qwen3_vl, _qwen3_vl_processor, QWEN_TOKENS, CHAT_TEMPLATE),
+    "qwen3_vl_moe": Twin(partial(_qwen3_vl, moe=True), _qwen3_vl_processor, QWEN_TOKENS, CHAT_TEMPLATE),
+    "glm4v_moe": Twin(_glm4v_moe, _glm4v_processor, GLM_TOKENS, chat_template("<|begin_of_image|><|image|><|end_of_image|>")),
 }
 
 
 def vision_tokenizer(arch: str = "qwen3_vl") -> Any:
     from rlray.data.tokenizer import char_tokenizer
 
-    family = VISION_ARCHS[arch]
+    twin = VISION_ARCHS[arch]
     tok = char_tokenizer()
-    tok.add_special_tokens({"additional_special_tokens": list(family.tokens)})
-    tok.chat_template = family.template
+    tok.add_special_tokens({"additional_special_tokens": list(twin.tokens)})
+    tok.chat_template = twin.template
     return tok
 
 
@@ -155,14 +156,15 @@ def build_tiny(cfg: ModelConfig, out: Path) -> None:
 
     from rlray.models.load import to_checkpoint_layout
 
-    family = VISION_ARCHS[str(cfg.arch)]
-    tok = vision_tokenizer(str(cfg.arch))
+    key = family(cfg.arch).vision
+    twin = VISION_ARCHS[str(key)]
+    tok = vision_tokenizer(str(key))
     torch.manual_seed(cfg.seed)
-    model = AutoModelForImageTextToText.from_config(family.config(cfg, tok), dtype=torch.float32)
+    model = AutoModelForImageTextToText.from_config(twin.config(cfg, tok), dtype=torch.float32)
     model.generation_config.eos_token_id = tok.eos_token_id
     model.save_pretrained(out)
     to_checkpoint_layout(out)  # Qwen3-VL-MoE's experts as its checkpoints (and vLLM) hold them
-    family.processor(tok).save_pretrained(out)
+    twin.processor(tok).save_pretrained(out)
     tok.save_pretrained(out)
 
 

@@ -40,7 +40,9 @@ from rlray.config import (
     weight_backend,
 )
 from rlray.config.colocation import TRAINER_GPU_SHARE
+from rlray.config.families import family, known
 from rlray.config.resources import needs
+from rlray.models.cache import cache_bytes
 from rlray.models.shape import ModelShape, human, model_shape
 from rlray.orchestration import phases
 from rlray.orchestration.phases import BYTES, ENGINE_RESERVE_GB, GB
@@ -66,7 +68,7 @@ def shape_of(c: Config) -> ModelShape:
     else:
         hf, source = architecture(c.model.name)
         name = c.model.name
-        if c.model.arch is not None and c.model.arch != hf.model_type:
+        if c.model.arch is not None and not (known(c.model.arch) and hf.model_type in family(c.model.arch).model_types):
             raise ConfigError(f"model.arch='{c.model.arch}' but model.name='{c.model.name}' is a {hf.model_type} "
                               "model; model.arch picks a tiny model's architecture: drop it or make it match")
     try:
@@ -81,7 +83,8 @@ def _activations(s: ModelShape, c: Config, checkpointing: bool) -> float:
     head_dim = s.dim("head_dim", hidden // max(heads, 1))
     if s.experts:
         k, inter = s.dim("num_experts_per_tok"), s.dim("moe_intermediate_size")
-        shared = s.dim("n_shared_experts") * inter
+        key = s.family.moe.shared_width if s.family and s.family.moe else None
+        shared = 0 if key is None else s.dim(key) * (inter if key.startswith("n_") else 1)
         mlp = k * (hidden + 3 * inter) + (hidden + 3 * shared if shared else 0)
     else:
         mlp = hidden + 3 * s.dim("intermediate_size")
@@ -121,10 +124,10 @@ def engine_memory(s: ModelShape, r: RolloutConfig | TeacherConfig, gpu_memory_gb
         kv = r.kv_cache_gb * 2**30
     else:
         kv = r.kv_cache_fraction * gpu_memory_gb * GB - weights - ENGINE_RESERVE_GB * GB
-    heads = max(1, s.dim("num_key_value_heads") // tp)
-    head_dim = s.dim("head_dim", s.dim("hidden_size") // max(s.dim("num_attention_heads"), 1))
-    per_token = 2 * s.dim("num_hidden_layers") * heads * head_dim * b
-    return {"weights": weights, "KV cache": max(kv, 0.0), "sequences": max(kv, 0.0) / (per_token * r.max_model_len)}
+    per_token, per_sequence = cache_bytes(s.hf.get_text_config(), tp, b)
+    seq = per_token * r.max_model_len + per_sequence
+    return {"weights": weights, "KV cache": max(kv, 0.0), "sequences": max(kv, 0.0) / seq,
+            "per token": per_token, "per sequence": per_sequence}
 
 
 @dataclass
@@ -173,6 +176,10 @@ class Plan:
             self.dims.check_model(self.shape.hf)
         except ValueError as e:
             out.append(str(e))
+        f = self.shape.family
+        if f is not None and not f.cp and c.trainer.cp > 1:
+            out.append(f"trainer.cp={c.trainer.cp} with {self.shape.name}: context parallelism splits attention, and its "
+                       f"recurrent layers ({f.recurrent}) would run over split sequences; set trainer.cp=1")
         if c.trainer.router_replay and not self.shape.experts:
             out.append(f"trainer.router_replay=true but the {self.shape.arch} model has no experts; set "
                        "trainer.router_replay=false")
@@ -268,9 +275,11 @@ class Plan:
             fit = self.ranks_to_fit()
             lines.append(f"  fits on {fit} trainer GPUs or more" if fit else "  fits on no number of trainer GPUs")
         e = self.engine
+        state = (f" (KV of {s.full_attention_layers} full-attention layers, {e['per token'] / 2**10:.1f} KiB per token, and "
+                 f"{e['per sequence'] / 2**20:.1f} MiB of recurrent state per sequence)" if e["per sequence"] else "")
         lines.append(f"memory per engine {'GPU' if r.gpus_per_actor else 'CPU'} (estimate): weights "
                      f"{e['weights'] / GB:.2f} GB, KV cache {e['KV cache'] / GB:.2f} GB = {e['sequences']:.0f} "
-                     f"sequences of {r.max_model_len} tokens")
+                     f"sequences of {r.max_model_len} tokens{state}")
         if c.cluster.colocate:
             lines += phases.lines(self)
         return "\n".join(lines + self._teacher_lines())

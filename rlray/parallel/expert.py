@@ -1,9 +1,9 @@
 """Expert parallelism for transformers' fused-expert MoE layers, and the router's load statistics.
 
 Contract:
-- `moe_experts(model)` lists `(name, module)` of every fused experts module: 3-D
-  `gate_up_proj` (E, 2I, H) and `down_proj` (E, H, I) with `num_experts` (Glm4MoeExperts,
-  Qwen3MoeExperts, ...).
+- `moe_experts(model)` lists `(name, module)` of every fused experts module: one with `num_experts`
+  and a family record's expert parameters 3-D (rlray.config.families: `gate_up_proj` (E, 2I, H) and
+  `down_proj` (E, H, I) for Glm4MoeExperts, Qwen3MoeExperts, Qwen3NextExperts, ...).
 - `apply_expert_parallel(model, ep_mesh)` gives each rank of `ep_mesh` E/ep of every layer's
   experts (DTensor `Shard(0)` on `ep_mesh`) and makes each experts module dispatch its
   (token, expert) pairs to their owners with all-to-all and combine the results with the
@@ -24,16 +24,15 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from rlray.parallel.hf import EXPERT_PARAMS, shard_and_dispatch_experts
+from rlray.config.families import FAMILIES
+from rlray.parallel.hf import shard_and_dispatch_experts
 
 
 def moe_experts(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    found = []
-    for name, module in model.named_modules():
-        params = [getattr(module, p, None) for p in EXPERT_PARAMS]
-        if hasattr(module, "num_experts") and all(isinstance(p, nn.Parameter) and p.dim() == 3 for p in params):
-            found.append((name, module))
-    return found
+    sets = {f.moe.expert_params for f in FAMILIES.values() if f.moe}
+    fused = lambda m, ps: all(isinstance(p := getattr(m, n, None), nn.Parameter) and p.dim() == 3 for n in ps)
+    return [(name, m) for name, m in model.named_modules() if hasattr(m, "num_experts")
+            and any(fused(m, params) for params in sets)]
 
 
 def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> None:

@@ -16,8 +16,8 @@
 - `router_weights(router, logits, indices)`: what a transformers MoE router computes as the routing
   weights of experts `indices` [N, K] from its `logits` [N, E] (Qwen3-MoE: softmax, renormalised
   over the top-k; GLM-4.5: sigmoid without the correction bias, renormalised, times
-  `routed_scaling_factor`; their vision-language variants alike), for routing replay (rlray.parallel.routing). `ROUTERS` names the router
-  classes it knows.
+  `routed_scaling_factor`; their vision-language variants alike), for routing replay (rlray.parallel.routing):
+  `ROUTER_RULES` by the rule its family's record names (rlray.config.families).
 - `text_positions_to_layers(model)`: a vision-language model's decoder layers get the text positions
   (row 0 of the [4, B, T] `position_ids`) as their `position_ids`, from which packed attention (and
   flash attention's varlen path) read the sequence bounds. Qwen3-VL passes them so; GLM-4.5V's text
@@ -41,7 +41,9 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 
-EXPERT_PARAMS = ("gate_up_proj", "down_proj")
+from rlray.config.families import expert_params, router_rule
+
+EXPERT_PARAMS = expert_params()  # every family's fused expert parameters (rlray.config.families)
 
 
 def shard_and_dispatch_experts(module: nn.Module, ep_mesh: DeviceMesh) -> None:
@@ -49,7 +51,8 @@ def shard_and_dispatch_experts(module: nn.Module, ep_mesh: DeviceMesh) -> None:
 
     shard = MoEParamShard(Shard(0), shards_expert_dim=True)
     for param in EXPERT_PARAMS:
-        shard.shard_param(module, param, ep_mesh)
+        if isinstance(getattr(module, param, None), nn.Parameter):
+            shard.shard_param(module, param, ep_mesh)
     EpDispatchExpertsParallel().install_forward(module, ep_mesh)
 
 
@@ -89,16 +92,17 @@ def _sigmoid_weights(router: nn.Module, logits: Tensor, indices: Tensor) -> Tens
     return w * router.routed_scaling_factor
 
 
-ROUTERS: dict[str, Callable[[nn.Module, Tensor, Tensor], Tensor]] = {
-    "Qwen3MoeTopKRouter": _softmax_weights,
-    "Qwen3VLMoeTextTopKRouter": _softmax_weights,
-    "Glm4MoeTopkRouter": _sigmoid_weights,
-    "Glm4vMoeTextTopkRouter": _sigmoid_weights,
+# a family's routing-weight rule (rlray.config.families MoE.rule) -> how its router weighs the chosen experts
+ROUTER_RULES: dict[str, Callable[[nn.Module, Tensor, Tensor], Tensor]] = {
+    "softmax": _softmax_weights,
+    "sigmoid": _sigmoid_weights,
 }
 
 
 def router_weights(router: nn.Module, logits: Tensor, indices: Tensor) -> Tensor:
-    return ROUTERS[type(router).__name__](router, logits, indices)
+    rule = router_rule(type(router).__name__)
+    assert rule is not None, f"no family has the router {type(router).__name__} (RouterReplay refuses it)"
+    return ROUTER_RULES[rule](router, logits, indices)
 
 
 def text_positions_to_layers(model: nn.Module) -> None:

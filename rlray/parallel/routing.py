@@ -1,10 +1,10 @@
 """Router replay (R3): the trainer's MoE routers use the experts the engine routed each token to.
 
 Contract:
-- `moe_routers(model)` lists the router of every MoE layer, in layer order: the `gate` of a
-  block that also holds fused experts (transformers' Qwen3MoeTopKRouter, Glm4MoeTopkRouter; each
-  returns `(logits, weights, indices)`). A router class rlray.parallel.hf.ROUTERS does not know
-  is a ValueError naming it when replay is on.
+- `moe_routers(model)` lists the router of every MoE layer, in layer order: the router of a block that
+  also holds fused experts, by the attribute names of the family records (rlray.config.families: `gate`
+  and `experts`; transformers' Qwen3MoeTopKRouter, Glm4MoeTopkRouter, ... each return `(logits, weights,
+  indices)`). A router class no family record names is a ValueError naming it when replay is on.
 - `RouterReplay(model, replay)` wraps each router's forward. Inside `with rr.routing(r)` (`r` a
   LongTensor [N, L, K]: for each of the N tokens of a forward, in the model's flattened [B, T]
   order, and each of the L MoE layers, the engine's K experts; `no_route` where the engine had none)
@@ -27,22 +27,30 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from rlray.parallel.hf import ROUTERS, router_weights
+from rlray.config.families import moe_attrs, router_classes, router_rule
+from rlray.parallel.hf import router_weights
 
 
 def moe_routers(model: nn.Module) -> list[nn.Module]:
-    return [m.gate for m in model.modules() if hasattr(m, "gate") and hasattr(m, "experts")
-            and hasattr(m.gate, "top_k") and getattr(m.gate, "weight", None) is not None]
+    found = []
+    for m in model.modules():
+        for router_attr, experts_attr in moe_attrs():
+            router = getattr(m, router_attr, None)
+            if (router is not None and hasattr(m, experts_attr) and hasattr(router, "top_k")
+                    and getattr(router, "weight", None) is not None):
+                found.append(router)
+                break
+    return found
 
 
 class RouterReplay:
     def __init__(self, model: nn.Module, replay: bool) -> None:
         self.routers, self.replay = moe_routers(model), replay
         if replay:
-            unknown = sorted({type(r).__name__ for r in self.routers} - set(ROUTERS))
+            unknown = sorted({type(r).__name__ for r in self.routers if router_rule(type(r).__name__) is None})
             if unknown:
                 raise ValueError(f"trainer.router_replay: no replay for router {', '.join(unknown)} (known: "
-                                 f"{', '.join(ROUTERS)}); set trainer.router_replay=false")
+                                 f"{', '.join(router_classes())}); set trainer.router_replay=false")
         self.current: Tensor | None = None
         self.active = False
         self.counts = torch.zeros(2, dtype=torch.float64)  # (pairs agreeing, pairs with a route)

@@ -178,14 +178,13 @@ def test_largest_shape_over_several_turns_asks_each_picture_in_turn() -> None:
 
 
 def test_the_cpu_twin_takes_ep_and_task_from_the_family() -> None:
-    from rlray.config.compose import VISION_FAMILIES, twin
-    from rlray.models.tiny import ARCHS
+    from rlray.config.compose import twin
+    from rlray.config.families import FAMILIES
     from rlray.models.vision import VISION_ARCHS
 
-    families = ("glm4_moe", "qwen3_moe", "qwen3", None, "qwen3_vl", "qwen3_vl_moe", "glm4v_moe")
-    assert [twin("ep", a) for a in families] == [2, 2, 1, 1, 1, 2, 2]
-    assert [twin("mix", a)[0]["id"] for a in families] == ["reverse_text"] * 4 + ["largest_shape"] * 3
-    # the config layer's names of the vision families are the models layer's, and the MoE naming rule holds
-    assert set(VISION_FAMILIES) == set(VISION_ARCHS) and not set(VISION_FAMILIES) & set(ARCHS)
-    assert {a for a in [*ARCHS, *VISION_ARCHS] if a.endswith("_moe")} == {"qwen3_moe", "glm4_moe", "qwen3_vl_moe",
-                                                                          "glm4v_moe"}
+    families = ("glm4_moe", "qwen3_moe", "qwen3", None, "qwen3_vl", "qwen3_vl_moe", "glm4v_moe", "qwen3_next",
+                "qwen3_5", "qwen3_5_moe")
+    assert [twin("ep", a) for a in families] == [2, 2, 1, 1, 1, 2, 2, 2, 1, 2]
+    assert [twin("mix", a)[0]["id"] for a in families] == ["reverse_text"] * 4 + ["largest_shape"] * 3 + ["reverse_text"] * 3
+    # every vision family's twin is built by rlray.models.vision, under the key its record names
+    assert {f.vision for f in FAMILIES.values() if f.vision} == set(VISION_ARCHS)
