@@ -8,8 +8,8 @@ sequence, as packed attention runs SDPA once per sequence (rlray.models.attentio
 Contract: `reset_per_sequence(model, attr)` makes the `attr` module of every decoder layer that has one (a
 Qwen3-Next layer's `linear_attn`) run once per sequence of its row: each decoder layer's forward pre-hook keeps
 the `position_ids` it is given, whose runs that count up by one are the row's sequences (`spans`, the rule
-packed attention uses), and the mixer's forward is called on each run alone (no cache: the trainer runs
-without one) and the outputs put back in place. Rows holding one sequence each (the padded layout) take one
+packed attention uses), and the mixer's forward is called on each run alone, without a cache (one would carry
+a sequence's state into the next; the trainer runs without one anyway), and the outputs put back in place. Rows holding one sequence each (the padded layout) take one
 call. Returns how many mixers it wrapped. `switch(model, on)` turns the reset off and on (a test shows packed
 rows then differ from padded ones).
 """
@@ -64,6 +64,7 @@ def _per_sequence(mixer: nn.Module, forward: Callable) -> Callable:
         if all(len(r) == 1 for r in rows):
             return forward(hidden_states, *args, attention_mask=attention_mask, **kwargs)
         mask = lambda b, s, e: None if attention_mask is None else attention_mask[b:b + 1, s:e]
+        kwargs["cache_params"] = None  # a cache would carry one sequence's state into the next
         out = [torch.cat([forward(hidden_states[b:b + 1, s:e], *args, attention_mask=mask(b, s, e), **kwargs)
                           for s, e in row], dim=1) for b, row in enumerate(rows)]
         return torch.cat(out, dim=0)

@@ -97,6 +97,9 @@ def test_a_hybrids_engine_memory_counts_its_attention_layers_and_its_recurrent_s
     assert plan.c.rollout.tensor_parallel_size == 4  # 2 KV heads over 4 GPUs: vLLM keeps one on each
     assert plan.engine["per token"] == 2 * 12 * 1 * 256 * 2 and plan.engine["per sequence"] == per_sequence / 4
     assert "KV of 12 full-attention layers" in plan.render() and plan.problems() == []
+    qwen35 = make_plan(composed("+recipe=qwen3_5", "dry_run=true"))  # its stated cluster: 3 nodes x 8 GPUs of 80 GB
+    assert qwen35.problems() == [] and qwen35.gpus == 24 and qwen35.shape.family.name == "qwen3_5_moe"
+    assert "KV of 10 full-attention layers" in qwen35.render()
 
 
 def test_a_recurrent_familys_cpu_engine_serves_without_prefix_caching() -> None:
