@@ -130,8 +130,8 @@ class ProbedRolloutActor(RolloutActor):
         elif self._in_flight <= 0 < before:
             self._busy.append((self._since, time.time()))
 
-    async def run(self, buffer: Any) -> dict[str, Any]:
-        return await super().run(_CountingBuffer(buffer, self._mark))
+    async def run(self, buffer: Any, loop: int = 0) -> dict[str, Any]:
+        return await super().run(_CountingBuffer(buffer, self._mark), loop)
 
     async def start_weight_update(self, adapter: dict[str, Any] | None = None) -> None:
         self._pause_start = time.time()
@@ -143,8 +143,8 @@ class ProbedRolloutActor(RolloutActor):
         finally:
             self._paused.append((self._pause_start, time.time()))
 
-    async def stop(self) -> None:
-        await super().stop()
+    async def stop(self, loop: int | None = None) -> None:
+        await super().stop(loop)
         import ray
 
         busy = self._busy + ([(self._since, time.time())] if self._in_flight > 0 else [])
