@@ -24,7 +24,7 @@ class ConfigError(ValueError):
 @dataclass
 class ModelConfig:
     name: str = "tiny"  # "tiny" builds a random-weight model of `arch`; else an HF id or path
-    arch: str | None = None  # a tiny model's architecture (rlray.models.tiny.ARCHS; None: qwen3); else the model's own
+    arch: str | None = None  # a tiny model's family (rlray.config.families; None: qwen3); else the model's own
     hidden_size: int = 128
     num_layers: int = 4
     num_heads: int = 4
