@@ -21,6 +21,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import ray
 
 from rlray.orchestration.controller import run
@@ -85,10 +86,15 @@ def truncate_newest_shard(run_dir: Path) -> tuple[Path, int]:
     return folder, newest
 
 
-def test_sigkilled_driver_resumes_exactly(ray_cluster, tmp_path, capsys) -> None:
-    reference = tiny_config(tmp_path / "a", *OVERRIDES)
-    run(reference)
-    ref_rl, ref_weights = records(Path(reference.run.dir), "rl"), digests(Path(reference.run.dir))
+@pytest.fixture(scope="module")
+def reference(ray_cluster, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
+    """An uninterrupted run of OVERRIDES, to completion: (its run.dir, its summary). Tests copy it before changing it."""
+    c = tiny_config(tmp_path_factory.mktemp("reference"), *OVERRIDES)
+    return Path(c.run.dir), run(c)
+
+
+def test_sigkilled_driver_resumes_exactly(reference, tmp_path, capsys) -> None:
+    ref_rl, ref_weights = records(reference[0], "rl"), digests(reference[0])
 
     killed_dir = tmp_path / "b" / "run"
     killed_dir.parent.mkdir()
@@ -152,30 +158,32 @@ def test_a_sigterm_preempted_lora_run_resumes_from_its_adapter_checkpoint(ray_cl
     assert (run_dir / "hf" / "adapter" / "adapter_config.json").exists() and (run_dir / "hf" / "base").is_dir()
 
 
-def test_a_finished_run_resumed_does_only_what_is_missing(ray_cluster, tmp_path, capsys) -> None:
+def test_a_finished_run_resumed_does_only_what_is_missing(reference, tmp_path, capsys) -> None:
     """The same command again on a finished run folder (a Slurm requeue, a user re-exporting): one line says it has
     finished, from disk, and nothing starts (no Ray actor, no wandb run, summary and metrics untouched). Stopped
     after RL's last checkpoint, before its export and final evaluation: the rerun starts the actors, runs no RL
-    loop (nothing waits out a timeout, no actor is replaced) and writes only the export and the evaluation."""
-    c = tiny_config(tmp_path, *OVERRIDES, "rl.steps=3", "sft.max_steps=2")
-    first = run(c)
+    loop (nothing waits out a timeout, no actor is replaced) and writes only the export and the evaluation.
+    The finished run is a copy of the reference run."""
+    first_dir, first = reference
+    c = tiny_config(tmp_path, *OVERRIDES)
     run_dir = Path(c.run.dir)
+    shutil.copytree(first_dir, run_dir)
     summary, metrics = (run_dir / "summary.json").read_text(), (run_dir / "metrics.jsonl").read_text()
     capsys.readouterr()
-    again = run(tiny_config(tmp_path, *OVERRIDES, "rl.steps=3", "sft.max_steps=2"))
+    again = run(c)
     out = capsys.readouterr().out.strip().splitlines()
-    assert len(out) == 1 and out[0].startswith(f"run {run_dir} has finished already: RL step 3 of rl.steps=3 "
-                                               "checkpointed (ckpt_rl_00000003), exported to "), out
+    assert len(out) == 1 and out[0].startswith(f"run {run_dir} has finished already: RL step {STEPS} of "
+                                               f"rl.steps={STEPS} checkpointed (ckpt_rl_{STEPS:08d}), exported to "), out
     assert again["finished_already"] and again["rl_end_reward"] == first["rl_end_reward"]
     assert (run_dir / "summary.json").read_text() == summary and (run_dir / "metrics.jsonl").read_text() == metrics
 
     # stopped between its last checkpoint and its export: the export and the evaluation are what is left
     shutil.rmtree(run_dir / "hf")
     (run_dir / "summary.json").write_text(json.dumps({k: v for k, v in first.items() if k != "rl_end_reward"}))
-    resumed = run(tiny_config(tmp_path, *OVERRIDES, "rl.steps=3", "sft.max_steps=2"))
+    resumed = run(tiny_config(tmp_path, *OVERRIDES))
     out = capsys.readouterr().out
-    assert f"resuming from {run_dir / 'checkpoints' / 'ckpt_rl_00000003'}: stage rl, step 3" in out
+    assert f"resuming from {run_dir / 'checkpoints' / f'ckpt_rl_{STEPS:08d}'}: stage rl, step {STEPS}" in out
     assert "was lost" not in out and "replacing" not in out, out  # a loop waited out its timeout, then was replaced
     assert "rl_end_reward" in resumed and (run_dir / "hf" / "config.json").is_file()
-    assert [r["step"] for r in records(run_dir, "rl")] == [0, 1, 2]  # no RL step ran again
-    assert sorted(digests(run_dir)) == [0, 1, 2, 3]
+    assert [r["step"] for r in records(run_dir, "rl")] == list(range(STEPS))  # no RL step ran again
+    assert sorted(digests(run_dir)) == list(range(STEPS + 1))

@@ -10,6 +10,7 @@ step 2 and trains steps 2 and 3 again.
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import time
@@ -24,6 +25,7 @@ from rlray.orchestration.metrics import Metrics
 from tests.ray.conftest import tiny_config
 
 STEPS = 6
+LOSSES = ("dppo_tv",)  # the recovered run trains with it, as tests/ray/test_losses_e2e would in a run of its own
 
 
 def kill_trainer_at(monkeypatch: pytest.MonkeyPatch, step: int, name: str = "trainer-1") -> list[float]:
@@ -41,7 +43,9 @@ def kill_trainer_at(monkeypatch: pytest.MonkeyPatch, step: int, name: str = "tra
 
 
 def test_a_killed_trainer_rank_is_recovered_from_the_checkpoint(ray_cluster, tmp_path, monkeypatch, capsys) -> None:
-    c = tiny_config(tmp_path, "stages=[rl]", f"rl.steps={STEPS}", "checkpoint.every=2", "checkpoint.keep=5")
+    c = tiny_config(tmp_path, "stages=[rl]", f"rl.steps={STEPS}", "checkpoint.every=2", "checkpoint.keep=5",
+                    f"algo.loss={LOSSES[0]}")
+    assert c.algo.loss == LOSSES[0]
     kill_trainer_at(monkeypatch, 3)
     summary = run(c)
     out = capsys.readouterr().out
@@ -53,6 +57,8 @@ def test_a_killed_trainer_rank_is_recovered_from_the_checkpoint(ray_cluster, tmp
     assert steps == [0, 1, 2, 3, 2, 3, 4, 5]  # after the recovery, each step once, in order
     after = [r for r in records if r["stage"] == "rl"][4:]
     assert [r["trainer_restarts"] for r in after] == [1, 1, 1, 1] and all(r["mismatch_kl"] < 1e-6 for r in after)
+    rl = [r for r in records if r["stage"] == "rl"]
+    assert all(math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) and r["grad_norm"] > 0 for r in rl)
     meta = json.loads((Path(c.run.dir) / "checkpoints" / "ckpt_rl_00000002" / "meta.json").read_text())
     assert summary["recovered_weights"] == [meta["weights"]] and summary["trainer_restarts"] == 1
     assert "rl_end_reward" in summary
