@@ -10,7 +10,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 ARGS ?=
 
-.PHONY: run test venv v1env clean
+.PHONY: run test bench-smoke venv v1env clean
 
 $(BIN)/.installed: pyproject.toml requirements/verifiers.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -38,8 +38,13 @@ v1env: .venv-v1/.installed
 run: venv
 	$(BIN)/python -m rlray.launch $(ARGS)
 
+# The benchmarks' --quick runs that start vLLM engines (their paths are the engine and Ray tests')
+# stay out of CI's time: `make bench-smoke` runs them after a change to rlray/bench.
 test: venv v1env
-	$(BIN)/python -m pytest -x -q -rs --durations=40 tests $(ARGS)
+	$(BIN)/python -m pytest -x -q -rs --durations=40 -m "not bench_engines" tests $(ARGS)
+
+bench-smoke: venv
+	$(BIN)/python -m pytest -x -q -rs tests/bench $(ARGS)
 
 clean:
 	rm -rf $(VENV) .venv-v1

@@ -1,7 +1,8 @@
 """`python -m rlray.bench <name> --quick` runs, prints its table and ratios, and writes its JSON.
 
 Each benchmark runs in its own process, as a user runs it; assertions are on the report's
-shape and on numbers being positive, never on timings.
+shape and on numbers being positive, never on timings. The runs marked `bench_engines` start vLLM
+engines (4.8 minutes of the suite's time): `make test` leaves them out, `make bench-smoke` runs them.
 """
 
 from __future__ import annotations
@@ -107,6 +108,7 @@ def test_trainer_quick(tmp_path: Path) -> None:
 
 @pytest.mark.bench
 @pytest.mark.ray
+@pytest.mark.bench_engines
 def test_weight_sync_quick(tmp_path: Path) -> None:
     """The gloo sizes and the end-to-end rows into vLLM; the LoRA and colocated rows start two more engines
     and are left out here (tests/engine/test_lora.py and test_colocated.py check those paths)."""
@@ -138,6 +140,7 @@ def test_weight_sync_quick(tmp_path: Path) -> None:
 
 @pytest.mark.bench
 @pytest.mark.ray
+@pytest.mark.bench_engines
 def test_rollout_quick(tmp_path: Path) -> None:
     _, report = bench("rollout", tmp_path)
     paths = {r["path"] for r in report["rows"]}
@@ -147,6 +150,7 @@ def test_rollout_quick(tmp_path: Path) -> None:
 
 @pytest.mark.bench
 @pytest.mark.ray
+@pytest.mark.bench_engines
 def test_async_quick(tmp_path: Path) -> None:
     """Disaggregated k=0 and k=2; the colocated layout's run is left out here (its own test:
     tests/ray/test_colocated.py)."""
