@@ -63,11 +63,12 @@ def kill_teacher_after_rl_step(proc: subprocess.Popen, run_dir: Path, step: int)
 
 
 def test_distillation_from_the_default_runs_export(default_run, tmp_path) -> None:
-    """`algo.loss=opd teacher.name=<the default run's hf/> algo.opd_reward_coef=0`: the student's KL to the teacher
-    falls with the teacher's signal alone (the student stops SFT at step 30, short of the teacher's SFT, so that a
-    teacher of 20 RL steps is far from it). How far the held-out reward rises is the README's measurement ("Distillation":
-    300 steps from the default run's export; here 40 steps from a 20-step teacher moved it by +0.009 and -0.002 in two runs). The teacher is SIGKILLed
-    after RL step 1: it is replaced in its bundle while the steps wait, and every step is still scored."""
+    """`algo.loss=opd teacher.name=<the default run's hf/> algo.opd_reward_coef=0`: the student's KL to the
+    teacher falls with the teacher's signal alone (the student stops SFT at step 30, short of the teacher's SFT,
+    so that a teacher of 20 RL steps is far from it). How far the held-out reward rises is the README's
+    measurement ("Distillation": 300 steps from the default run's export; here 40 steps from a 20-step teacher
+    moved it by +0.009 and -0.002 in two runs). The teacher is SIGKILLed after RL step 1: it is replaced in its
+    bundle while the steps wait, and every step is still scored."""
     teacher_dir, first = default_run
     assert first.returncode == 0 and (teacher_dir / "hf" / "model.safetensors").is_file()
     run_dir = tmp_path / "run"
