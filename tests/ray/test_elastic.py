@@ -7,10 +7,10 @@ restart, and the run completes every step once.
 Each engine bundle takes just over half of the CPUs the head has left beside the trainer, so the head
 holds one engine and only the new node can hold the second. The metrics hook runs on the driver's thread,
 between steps: it waits there, each with a deadline and a message, only for what Ray does without the
-driver (the node registered, the engine's placement group placed, the engine up, its first group, the node
-declared dead), and lets steps pass while the driver acts (asking for the group, spawning the actor,
-admitting it at a sync, dropping it). The run's length follows the events: rl.steps is a cap, lowered to a
-few steps past the shrink once it happened, so no count of steps is assumed.
+driver (the node registered, the engine's placement group placed, the engine up, the node declared dead),
+and lets steps pass while the driver acts (asking for the group, spawning the actor, admitting it at a sync,
+handing it the tickets of its first group, dropping it). The run's length follows the events: rl.steps is
+a cap, lowered to a few steps past the shrink once it happened, so no count of steps is assumed.
 """
 
 from __future__ import annotations
@@ -136,8 +136,9 @@ def test_the_pool_grows_with_a_joining_node_and_shrinks_when_its_raylet_dies(ray
         elif "placed" in events and "up" not in events and spawned("rollout-1"):  # it starts without the driver
             wait_for("rollout-1's engine to start", lambda: engine_up("rollout-1"), 300, cluster_state)
             events["up"] = at
-        elif "up" in events and "killed" not in events and engines == 2:  # admitted at a sync
-            wait_for("rollout-1's first group", lambda: groups_of("rollout-1") > 0, 120)
+        elif "up" in events and "killed" not in events and engines == 2 and groups_of("rollout-1") > 0:
+            # admitted at a sync and generating: its groups need tickets, which only the driver's next steps
+            # hand out (rollout-0 may hold every ticket of this step), so steps pass until it has one
             node[0].kill_raylet()
             events["killed"] = at
             wait_for("Ray to declare the node dead", lambda: alive_nodes() == nodes_before, 120, cluster_state)
