@@ -38,6 +38,9 @@ Contract:
 - Colocated turns: `sleep(level)` releases the device for the trainer (0: scheduling paused, CPU;
   1/2: vLLM's sleep mode, GPU) and `wake_up(tags)` takes it back; a weight sync may run between a
   partial wake ("weights") and the rest, and generation resumes only when nothing is asleep.
+- On CPU an engine of one worker (no `distributed_executor_backend` given) runs that worker inside
+  its engine core process (`one_process`): vLLM's CPU platform otherwise forces its multiprocess
+  executor, a third process that imports vllm again (~8 s of every start on 2 cores).
 - `death()` is None while the engine core process runs, and vLLM's error in one line once it
   has died (out of memory, a CUDA fault, killed): every call fails from then on, and a
   weight-group call in flight when it dies raises that error instead of waiting forever.
@@ -54,8 +57,9 @@ import asyncio
 import contextlib
 import copy
 import itertools
+import os
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -99,6 +103,36 @@ class Completion:
     routing: np.ndarray | None = None  # [P + C, MoE layers, top-k] with `capture_routing`
 
 
+@contextlib.contextmanager
+def one_process(kwargs: dict[str, Any]) -> Iterator[None]:
+    """While the engine starts: on CPU, one worker in the engine core (vLLM's "uni" executor).
+
+    vLLM 0.32's CPU platform turns "uni" into "mp" unless VLLM_ENABLE_V1_MULTIPROCESSING=0
+    (platforms/cpu.py, for OpenMP binding), a flag `AsyncLLM` does not read for its own engine
+    core process; the flag is set only for the start, so a `vllm.LLM` made later in this process keeps
+    its engine core process.
+    """
+    from vllm.platforms import current_platform
+
+    workers = kwargs.get("tensor_parallel_size", 1) * kwargs.get("pipeline_parallel_size", 1)
+    if not current_platform.is_cpu() or workers != 1 or kwargs.get("distributed_executor_backend"):
+        yield
+        return
+    kwargs["distributed_executor_backend"] = "uni"
+    old = os.environ.get(ONE_PROCESS_FLAG)
+    os.environ[ONE_PROCESS_FLAG] = "0"
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(ONE_PROCESS_FLAG)
+        else:
+            os.environ[ONE_PROCESS_FLAG] = old
+
+
+ONE_PROCESS_FLAG = "VLLM_ENABLE_V1_MULTIPROCESSING"
+
+
 class Engine:
     """A vLLM `AsyncLLM` whose workers hold a weight-transfer engine (`weights_backend`)."""
 
@@ -123,7 +157,7 @@ class Engine:
                      kv_cache_fraction: float = 0.05, weights_backend: str | None = "gloo",
                      engine_kwargs: dict[str, Any] | None = None, capture_routing: bool = False,
                      lora_rank: int = 0) -> Engine:
-        """Start the engine (15-25 s on CPU); call from inside the event loop that will use it.
+        """Start the engine (~10-15 s on CPU); call from inside the event loop that will use it.
 
         On CPU, `kv_cache_fraction` (vLLM's gpu_memory_utilization) is a share of the NUMA node's
         RAM that must also cover the worker's own RSS (~0.7 GiB), so 0.05 can fail with a
@@ -156,8 +190,9 @@ class Engine:
             if weights_backend in ("nccl", "ipc"):  # vLLM's own engine, keeping adapter updates
                 kwargs["weight_transfer_config"] = {"backend": NCCL_LORA if weights_backend == "nccl" else IPC_LORA}
         kwargs.update(engine_kwargs or {})
-        engine = cls(AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs)), capture_routing,
-                     bool(kwargs.get("enable_return_routed_experts")))
+        with one_process(kwargs):
+            llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
+        engine = cls(llm, capture_routing, bool(kwargs.get("enable_return_routed_experts")))
         engine.image_pad = getattr(engine.llm.model_config.hf_config, "image_token_id", None)
         if capture_routing:
             engine.moe_layers, engine.num_experts = (await engine.llm.collective_rpc("rlray_routing_start"))[0]

@@ -264,7 +264,7 @@ def spawn(c: Config, pad_id: int) -> Handles:
     r = c.rollout
     groups = _groups(c)
     trainers, master = spawn_trainers(c, groups[0])
-    h = Handles(trainers, [], spawn_buffer(c, pad_id), master, groups[:1] if c.cluster.colocate else groups)
+    h = Handles(trainers, [], spawn_buffer(c, pad_id), "", groups[:1] if c.cluster.colocate else groups)
     if elastic(c):
         h.engine_pgs = {i: _pg(f"rlray-rollout-{i}", _engine_bundle(c), r.node_labels, "rollout.node_labels")
                         for i in range(r.num_actors)}
@@ -274,12 +274,14 @@ def spawn(c: Config, pad_id: int) -> Handles:
         h.teacher_pg = _pg("rlray-teacher", _bundles(te.num_actors, te.cpus_per_actor, te.gpus_per_actor),
                            te.node_labels, "teacher.node_labels")
         h.teachers = [spawn_teacher(c, i, h.teacher_pg) for i in range(te.num_actors)]
+    # only now: rank 0 answers once its process has imported torch, and the engines' start is the longer one
+    h.master = ray.get(master)
     return h
 
 
-def spawn_trainers(c: Config, pg: PlacementGroup, incarnation: int = 0) -> tuple[list[Any], str]:
+def spawn_trainers(c: Config, pg: PlacementGroup, incarnation: int = 0) -> tuple[list[Any], ray.ObjectRef]:
     """The trainer ranks `trainer-i` (`trainer-i.<incarnation>` when re-created) in bundles 0.. of `pg`, and
-    the trainer group's store that rank 0 serves ("host:port", every rank's `setup(master)`)."""
+    a reference to the trainer group's store that rank 0 serves ("host:port", every rank's `setup(master)`)."""
     t, r = c.trainer, c.rollout
     host, _ = free_address(pg, 0)  # rank 0's node; its store picks the port (TrainerActor.serve_group)
     gpus = t.gpus_per_rank * (TRAINER_GPU_SHARE if c.cluster.colocate else 1.0)
@@ -290,7 +292,7 @@ def spawn_trainers(c: Config, pg: PlacementGroup, incarnation: int = 0) -> tuple
         ).remote(i, t.num_ranks, f"{host}:0", c.model, t, c.algo, backend(c), r.temperature, r.dtype)
         for i in range(t.num_ranks)
     ]
-    return trainers, ray.get(trainers[0].serve_group.remote())
+    return trainers, trainers[0].serve_group.remote()
 
 
 def spawn_buffer(c: Config, pad_id: int, incarnation: int = 0) -> Any:

@@ -41,7 +41,8 @@ def lost_trainers(trainers: list[Any]) -> dict[int, str]:
 def recreate(c: Config, h: cluster.Handles, incarnation: int, pad_id: int) -> None:
     for actor in [*h.trainers, h.buffer]:
         ray.kill(actor, no_restart=True)
-    trainers, master = cluster.spawn_trainers(c, h.trainer_pg, incarnation)
+    trainers, master_ref = cluster.spawn_trainers(c, h.trainer_pg, incarnation)
+    master = ray.get(master_ref)
     ray.get([t.setup.remote(master) for t in trainers])
     h.trainers[:] = trainers
     h.master = master

@@ -172,6 +172,17 @@ def test_score_matches_hf_before_any_sync(loop_thread: LoopThread, engine: Engin
     assert max_diff(scored, model.logprobs(TOKENS, len(PROMPT))) < 1e-3
 
 
+def test_each_engine_core_runs_its_worker_itself(engine: Engine, trainer: Setup) -> None:
+    """rlray.actors.engine.one_process: a CPU engine core of one worker starts no worker process (vLLM's CPU
+    platform would spawn one per core, "VLLM::Worker"), and the flag that allows it is not left set."""
+    import psutil
+
+    cores = [p for p in psutil.Process().children() if p.name().startswith("VLLM::EngineCore")]
+    assert len(cores) == trainer.data_parallel, cores
+    assert [c.name() for p in cores for c in p.children()] == []
+    assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in os.environ
+
+
 def test_generate_logprobs_are_processed_at_temperature(loop_thread: LoopThread, engine: Engine,
                                                         trainer: Setup) -> None:
     model = trainer[0]
