@@ -83,15 +83,35 @@ def groups_of(name: str) -> int:
 
 
 class SecondNode:
-    """`ray start --address` of a node with `cpus` CPUs; `kill_raylet()` SIGKILLs its raylet by pid."""
+    """`ray start --address` of a node with `cpus` CPUs; `kill_raylet()` SIGKILLs its raylet by pid.
+
+    `registered(before)` says whether it joined the `before` nodes, starting it again (at most
+    `STARTS` times) when `ray start` exited first: on a loaded machine Ray 2.60's raylet aborts when its
+    dashboard agent has not written its ports within a fixed 15 s (`NodeManager::WaitForDashboardAgentPorts`),
+    a failed node start, not a pool that failed to grow."""
+
+    STARTS = 3
 
     def __init__(self, cpus: float) -> None:
+        self.cpus, self.starts = cpus, 0
+        self._start()
+
+    def _start(self) -> None:
         ray_cli = str(Path(sys.executable).parent / "ray")
         gcs = ray.get_runtime_context().gcs_address
-        self.proc = subprocess.Popen([ray_cli, "start", "--address", gcs, "--num-cpus", f"{cpus:g}", "--num-gpus", "0",
-                                      "--node-ip-address", "127.0.0.1", "--block"],
+        self.proc = subprocess.Popen([ray_cli, "start", "--address", gcs, "--num-cpus", f"{self.cpus:g}",
+                                      "--num-gpus", "0", "--node-ip-address", "127.0.0.1", "--block"],
                                      stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,  # its logs: Ray's session folder
                                      start_new_session=True)
+        self.starts += 1
+
+    def registered(self, before: int) -> bool:
+        if self.proc.poll() is None:
+            return alive_nodes() == before + 1
+        assert self.starts < self.STARTS, f"`ray start` of the second node exited {self.starts} times ({self.proc.returncode})"
+        print(f"`ray start` of the second node exited ({self.proc.returncode}) before it joined; starting it again")
+        self._start()
+        return False
 
     def kill_raylet(self) -> None:
         raylets = [p for p in psutil.Process(self.proc.pid).children(recursive=True) if p.name() == "raylet"]
@@ -128,7 +148,7 @@ def test_the_pool_grows_with_a_joining_node_and_shrinks_when_its_raylet_dies(ray
         engines = values["rollout_actors"]
         if not node:
             node.append(SecondNode(per_engine))
-            wait_for("the second node to register", lambda: alive_nodes() == nodes_before + 1, context=cluster_state)
+            wait_for("the second node to register", lambda: node[0].registered(nodes_before), context=cluster_state)
         elif "placed" not in events and group_state("rlray-rollout-1") is not None:  # the driver asked for it
             wait_for("rlray-rollout-1 to be placed on the new node", lambda: group_state("rlray-rollout-1") == "CREATED",
                      120, cluster_state)
