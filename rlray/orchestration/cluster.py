@@ -275,7 +275,11 @@ def spawn(c: Config, pad_id: int) -> Handles:
                            te.node_labels, "teacher.node_labels")
         h.teachers = [spawn_teacher(c, i, h.teacher_pg) for i in range(te.num_actors)]
     # only now: rank 0 answers once its process has imported torch, and the engines' start is the longer one
-    h.master = ray.get(master)
+    try:
+        h.master = ray.get(master)
+    except BaseException:  # a rank that cannot start: nothing spawned here is left behind
+        teardown(h)
+        raise
     return h
 
 

@@ -79,3 +79,25 @@ def test_past_max_restarts_a_lost_rank_stops_the_run_in_one_line(ray_cluster, tm
     saved = [p.name for p in checkpoint.complete(Path(c.run.dir) / "checkpoints")]
     assert saved == ["ckpt_rl_00000000", "ckpt_rl_00000001"]  # RL start, then step 1 by checkpoint.every_s
     # (the save of step 2 found the rank gone: its staging folder stays until the next commit prunes it)
+
+
+def test_a_rank_that_cannot_start_leaves_nothing_spawned_behind(ray_cluster, tmp_path) -> None:
+    """cluster.spawn creates the engines' actors before it waits for rank 0 (their start is the longer one), so
+    a trainer rank whose constructor fails must take them, and the placement groups, down with it."""
+    from rlray.orchestration import cluster
+
+    c = tiny_config(tmp_path)
+    c.rollout.dtype = "no_such_dtype"  # the ranks' wire dtype: TrainerActor.__init__ raises on it
+    with pytest.raises(ray.exceptions.ActorDiedError, match="TrainerActor.__init__"):
+        cluster.spawn(c, pad_id=0)
+
+    def alive(name: str) -> bool:
+        try:
+            ray.get_actor(name)
+        except ValueError:
+            return False
+        return True
+
+    assert [n for n in ("trainer-0", "trainer-1", "rollout-0", "buffer") if alive(n)] == []
+    groups = {g["name"]: g["state"] for g in ray.util.placement_group_table().values() if g["name"].startswith("rlray-")}
+    assert set(groups.values()) <= {"REMOVED"}, groups
