@@ -54,6 +54,17 @@ def ray_cluster() -> Iterator[None]:
     ray.shutdown()
 
 
+def named_actor_exists(name: str) -> bool:
+    """Whether an actor named `name` is registered (spawned and not killed) in the connected cluster."""
+    import ray
+
+    try:
+        ray.get_actor(name)
+    except ValueError:
+        return False
+    return True
+
+
 class Crash(RuntimeError):
     """Raised by `crash_at_rl_step`, standing in for a driver killed mid-run."""
 

@@ -29,7 +29,7 @@ import ray
 from rlray.orchestration import cluster
 from rlray.orchestration.controller import run
 from rlray.orchestration.metrics import Metrics
-from tests.ray.conftest import tiny_config
+from tests.ray.conftest import named_actor_exists, tiny_config
 
 CAP = 80  # RL steps at most; the run ends END_AFTER steps after the pool shrank
 END_AFTER = 3
@@ -61,14 +61,6 @@ def group_state(name: str) -> str | None:
 
 def alive_nodes() -> int:
     return sum(n["Alive"] for n in ray.nodes())
-
-
-def spawned(name: str) -> bool:
-    try:
-        ray.get_actor(name)
-    except ValueError:
-        return False
-    return True
 
 
 def engine_up(name: str) -> bool:
@@ -153,7 +145,7 @@ def test_the_pool_grows_with_a_joining_node_and_shrinks_when_its_raylet_dies(ray
             wait_for("rlray-rollout-1 to be placed on the new node", lambda: group_state("rlray-rollout-1") == "CREATED",
                      120, cluster_state)
             events["placed"] = at
-        elif "placed" in events and "up" not in events and spawned("rollout-1"):  # it starts without the driver
+        elif "placed" in events and "up" not in events and named_actor_exists("rollout-1"):  # it starts without the driver
             wait_for("rollout-1's engine to start", lambda: engine_up("rollout-1"), 300, cluster_state)
             events["up"] = at
         elif "up" in events and "killed" not in events and engines == 2 and groups_of("rollout-1") > 0:

@@ -22,7 +22,7 @@ import ray
 from rlray.orchestration import checkpoint
 from rlray.orchestration.controller import run
 from rlray.orchestration.metrics import Metrics
-from tests.ray.conftest import tiny_config
+from tests.ray.conftest import named_actor_exists, tiny_config
 
 STEPS = 6
 LOSSES = ("dppo_tv",)  # the recovered run trains with it, as tests/ray/test_losses_e2e would in a run of its own
@@ -91,13 +91,6 @@ def test_a_rank_that_cannot_start_leaves_nothing_spawned_behind(ray_cluster, tmp
     with pytest.raises(ray.exceptions.ActorDiedError, match="TrainerActor.__init__"):
         cluster.spawn(c, pad_id=0)
 
-    def alive(name: str) -> bool:
-        try:
-            ray.get_actor(name)
-        except ValueError:
-            return False
-        return True
-
-    assert [n for n in ("trainer-0", "trainer-1", "rollout-0", "buffer") if alive(n)] == []
+    assert [n for n in ("trainer-0", "trainer-1", "rollout-0", "buffer") if named_actor_exists(n)] == []
     groups = {g["name"]: g["state"] for g in ray.util.placement_group_table().values() if g["name"].startswith("rlray-")}
     assert set(groups.values()) <= {"REMOVED"}, groups
