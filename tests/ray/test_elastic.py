@@ -74,13 +74,20 @@ def groups_of(name: str) -> int:
     return ray.get(ray.get_actor(name).stats.remote(), timeout=30)["groups"]
 
 
+# The joining node's Ray processes (its raylet, its agents, the engine's worker) get the CPU ahead of this machine's
+# other processes, as a node of its own CPUs would. Otherwise, on a loaded machine, Ray 2.60's raylet aborts: it
+# waits a fixed 15 s for its dashboard agent's listen port (`NodeManager::WaitForDashboardAgentPorts`; the
+# raylet is not given that port, so it always waits), and the agent, which imports every dashboard module
+# first, took 31-66 s beside two busy processes. Not root: `nice` says so and starts the node unchanged.
+OWN_MACHINE = ["nice", "-n", "-10"]
+
+
 class SecondNode:
     """`ray start --address` of a node with `cpus` CPUs; `kill_raylet()` SIGKILLs its raylet by pid.
 
-    `registered(before)` says whether it joined the `before` nodes, starting it again (at most
-    `STARTS` times) when `ray start` exited first: on a loaded machine Ray 2.60's raylet aborts when its
-    dashboard agent has not written its ports within a fixed 15 s (`NodeManager::WaitForDashboardAgentPorts`),
-    a failed node start, not a pool that failed to grow."""
+    It starts at `OWN_MACHINE`'s priority. `registered(before)` says whether it joined the `before` nodes, starting it
+    again (at most `STARTS` times) when `ray start` exited first: a failed node start, not a pool that failed
+    to grow."""
 
     STARTS = 3
 
@@ -91,7 +98,7 @@ class SecondNode:
     def _start(self) -> None:
         ray_cli = str(Path(sys.executable).parent / "ray")
         gcs = ray.get_runtime_context().gcs_address
-        self.proc = subprocess.Popen([ray_cli, "start", "--address", gcs, "--num-cpus", f"{self.cpus:g}",
+        self.proc = subprocess.Popen([*OWN_MACHINE, ray_cli, "start", "--address", gcs, "--num-cpus", f"{self.cpus:g}",
                                       "--num-gpus", "0", "--node-ip-address", "127.0.0.1", "--block"],
                                      stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,  # its logs: Ray's session folder
                                      start_new_session=True)
