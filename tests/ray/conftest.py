@@ -15,6 +15,8 @@ from rlray.config import ClusterConfig, Config, register, to_config
 BASE = ["logging.wandb=disabled", "model.num_layers=2", "sft.max_steps=4", "sft.eval_every=2",
         "sft.batch_size=32", "rl.steps=4", "rl.batch_size=32", "rl.eval_every=0", "eval.num_examples=16",
         "checkpoint.every=0", "checkpoint.export_hf=false"]
+# For runs whose subject is not the trainer's ranks (engines lost, environments): one torch process fewer on 2 cores.
+ONE_RANK = "trainer.num_ranks=1"
 
 
 def _value(v: Any) -> str:

@@ -23,7 +23,7 @@ from rlray.config import Config
 from rlray.orchestration.controller import Controller, run
 from rlray.orchestration.fleet import RolloutFleet
 from rlray.orchestration.metrics import Metrics
-from tests.ray.conftest import kill_engine, tiny_config
+from tests.ray.conftest import ONE_RANK, kill_engine, tiny_config
 from tests.ray.test_replace import rl_records
 
 
@@ -60,7 +60,7 @@ def test_dead_engines_are_replaced_between_syncs_until_max_restarts(ray_cluster,
     batches before the next sync; the actor is replaced before that sync and every step runs once,
     in order. The replacement's engine dies after step 5: with rollout.max_restarts=1 used up the
     run stops with one line."""
-    c = tiny_config(tmp_path, rl={"steps": 12, "sync_every": 4}, rollout={"max_restarts": 1},
+    c = tiny_config(tmp_path, ONE_RANK, rl={"steps": 12, "sync_every": 4}, rollout={"max_restarts": 1},
                     async_={"max_off_policy_steps": 3})
     c.stages = ["rl"]
     kills = kill_engines_at(monkeypatch, {0: "rollout-0", 5: "rollout-0.1"})

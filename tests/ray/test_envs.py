@@ -25,7 +25,7 @@ import ray
 
 from rlray.config import Config
 from rlray.orchestration.controller import run
-from tests.ray.conftest import tiny_config
+from tests.ray.conftest import ONE_RANK, tiny_config
 from tests.v1_envs import V1_FEEDBACK_ENV
 
 FLAKY_ENV = '''
@@ -128,7 +128,7 @@ def test_env_module_trains_by_id_with_failures_while_serving_openai(ray_cluster,
     from openai import OpenAI
 
     folder = write_module(tmp_path / "envs", "rlray_test_flaky_env", FLAKY_ENV)
-    c = tiny_config(tmp_path, env={"id": "rlray_test_flaky_env", "python_path": [folder]}, rl={"steps": 4},
+    c = tiny_config(tmp_path, ONE_RANK, env={"id": "rlray_test_flaky_env", "python_path": [folder]}, rl={"steps": 4},
                     eval={"num_examples": 8, "num_samples": 2, "temperature": 1.0}, algo={"loss": LOSSES["flaky"]})
     c.stages = ["rl"]
     out: dict = {}
@@ -168,7 +168,7 @@ def test_env_module_trains_by_id_with_failures_while_serving_openai(ray_cluster,
 
 def test_tool_env_with_a_hanging_tool_trains_end_to_end(ray_cluster, tmp_path) -> None:
     folder = write_module(tmp_path / "envs", "rlray_test_hanging_tool_env", HANGING_TOOL_ENV)
-    c = tiny_config(tmp_path, env={"id": "rlray_test_hanging_tool_env", "python_path": [folder],
+    c = tiny_config(tmp_path, ONE_RANK, env={"id": "rlray_test_hanging_tool_env", "python_path": [folder],
                                    "tool_timeout_s": 1.0, "allow_biased_sampling": True},
                     rl={"steps": 3}, eval={"num_examples": 8, "num_samples": 2, "temperature": 1.0})
     c.stages = ["rl"]
@@ -236,7 +236,7 @@ def test_classic_and_v1_envs_train_together_by_id_with_failures_counted(ray_clus
     folder = write_module(tmp_path / "envs", "rlray_test_words_v1", V1_TASKSET)
     write_module(tmp_path / "envs", "rlray_test_feedback_v1", V1_FEEDBACK_ENV)
     mix = "env.mix=[{id:guess_number,args:{max_turns:4}},{id:rlray_test_words_v1},{id:rlray_test_feedback_v1}]"
-    c = tiny_config(tmp_path, mix, env={"python_path": [folder]},
+    c = tiny_config(tmp_path, ONE_RANK, mix, env={"python_path": [folder]},
                     rollout={"max_tokens": 48, "max_model_len": 256}, rl={"steps": 5},
                     eval={"num_examples": 4}, algo={"loss": LOSSES["game"]})
     c.stages = ["rl"]
