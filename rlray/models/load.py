@@ -9,10 +9,13 @@ from the checkpoint's safetensors files, reading just the slice that shard cover
 (safetensors slices are memory-mapped reads). Master weights are fp32 whatever the
 checkpoint's dtype; with LoRA (`trainer.lora.rank > 0`, rlray.models.lora) the frozen base is held
 in `trainer.lora.base_dtype` and the adapters, not in the checkpoint, start as PEFT's. Fused expert
-weights (`experts.gate_up_proj` (E, 2I, H), `experts.down_proj` (E, H, I)) load from either
-layout on disk: fused, or one tensor per expert (`experts.<e>.gate_proj.weight`, ...: what the hub
-checkpoints and transformers' `save_pretrained` write); a family whose checkpoints fuse them transposed
-(Qwen3-VL-MoE) is read so, and `to_checkpoint_layout(folder)` writes a saved model in that layout.
+weights (`experts.gate_up_proj` (E, 2I, H), `experts.down_proj` (E, H, I); Nemotron-H's ungated `experts.up_proj`
+(E, I, H)) load from either layout on disk: fused, or one tensor per expert (`experts.<e>.gate_proj.weight`, ...:
+what the hub checkpoints and transformers' `save_pretrained` write), each rank reading only its experts' tensors.
+Names on disk are read as transformers' `from_pretrained` renames and merges them (its conversion mapping, through
+rlray.parallel.hf.checkpoint_sources: Nemotron-H's checkpoints say `backbone.` for `model.`); a family whose
+checkpoints fuse experts transposed (Qwen3-VL-MoE) is read so, and `to_checkpoint_layout(folder)` writes a saved
+model in that layout.
 `resident_bytes(model)` counts the parameter bytes this rank holds.
 """
 
@@ -30,6 +33,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from rlray.config import TrainerConfig
+from rlray.config.checks import cp_refusal
 from rlray.config.families import expert_params, family, known, moe_attrs
 from rlray.models.attention import PACKED, packed_attention
 from rlray.models.lora import apply_lora, checkpoint_name, init_adapters, is_adapter
@@ -38,6 +42,7 @@ from rlray.models.recurrent import reset_per_sequence
 from rlray.parallel import context
 from rlray.parallel.dims import ParallelDims
 from rlray.parallel.hf import (
+    checkpoint_sources,
     experts_transposed_on_disk,
     init_non_persistent_buffers,
     register_attention,
@@ -48,6 +53,8 @@ from rlray.parallel.parallelize import DTYPES, parallelize
 # a fused expert parameter's name, from the family records (rlray.config.families)
 FUSED = re.compile(rf"^(?P<prefix>.*\.(?:{'|'.join(sorted({e for _, e in moe_attrs()}))}))"
                    rf"\.(?P<param>{'|'.join(expert_params())})$")
+# any parameter of a fused experts module (weights and biases: every one leads with the expert count)
+EXPERTS = re.compile(rf"^(?P<prefix>.*\.(?:{'|'.join(sorted({e for _, e in moe_attrs()}))}))\.(?P<param>\w+)$")
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # offsets, sizes
 CP_ATTENTION = "rlray_cp"
 FLASH_DTYPES = ("bfloat16", "float16")
@@ -71,16 +78,18 @@ def local_folder(name: str) -> Path:
     return Path(snapshot_download(name, allow_patterns=patterns))
 
 
-def attention_for(device: torch.device, dims: ParallelDims, dtype: str = "float32") -> str:
+def attention_for(device: torch.device, dims: ParallelDims, dtype: str = "float32", sinks: bool = False) -> str:
     """Attention within each packed sequence: flash-attn's varlen kernels on GPU when installed and
     the compute dtype is 16-bit (flash-attn refuses float32; transformers derives the sequence
     boundaries from the position ids), else one SDPA call per sequence; under cp, against the keys
-    of the whole cp group."""
+    of the whole cp group. A family with attention sinks (gpt-oss) always takes the packed path (its own
+    eager attention per sequence): flash-attn has no sinks, and transformers would swap a hub kernel in."""
     register_attention(PACKED, packed_attention)
     register_attention(CP_ATTENTION, context.attention)
     if dims.cp_enabled:
         return CP_ATTENTION
-    if device.type == "cuda" and dtype in FLASH_DTYPES and importlib.util.find_spec("flash_attn") is not None:
+    if (device.type == "cuda" and dtype in FLASH_DTYPES and not sinks
+            and importlib.util.find_spec("flash_attn") is not None):
         return "flash_attention_2"
     return PACKED
 
@@ -93,18 +102,19 @@ def build_model(path: str, dims: ParallelDims, cfg: TrainerConfig, device: torch
     dims.check_model(config)
     f = family(config.model_type) if known(config.model_type) else None
     if f is not None and not f.cp and dims.cp_enabled:
-        raise ValueError(f"trainer.cp={dims.cp}: context parallelism splits attention, and {f.name}'s recurrent layers "
-                         f"({f.recurrent}) would run over split sequences; set trainer.cp=1")
+        raise ValueError(f"trainer.cp={dims.cp} with {f.name}: {cp_refusal(f)}; set trainer.cp=1")
     vision = is_vision(config)
     if vision and dims.cp_enabled:
         raise ValueError(f"trainer.cp={dims.cp}: context parallelism does not split image sequences; set "
                          f"trainer.cp=1 for the vision-language model {path}")
     auto = AutoModelForImageTextToText if vision else AutoModelForCausalLM
-    attention: str | dict[str, str] = attention_for(device, dims, cfg.param_dtype)
+    attention: str | dict[str, str] = attention_for(device, dims, cfg.param_dtype, f is not None and f.sinks)
     if vision:  # the vision tower attends both ways within each image: transformers' own SDPA path
         attention = {"": attention, "text_config": attention, "vision_config": "sdpa"}
     with torch.device("meta"):
         model = auto.from_config(config, dtype=torch.float32, attn_implementation=attention)
+    # transformers finds its checkpoint renaming by the model's classes, which FSDP2 renames: look it up first
+    reader = SafetensorsReader(folder, experts_transposed_on_disk(config.model_type)).follow(model)
     if vision:
         text_positions_to_layers(model)
     if f is not None and f.recurrent:  # packed rows: the recurrent mixer runs once per sequence
@@ -119,7 +129,7 @@ def build_model(path: str, dims: ParallelDims, cfg: TrainerConfig, device: torch
     parallelize(model, dims, cfg)
     model.to_empty(device=device)
     init_non_persistent_buffers(model)
-    with SafetensorsReader(folder, experts_transposed_on_disk(config.model_type)) as reader:
+    with reader:
         load_shards(model, reader)
     if cfg.lora.enabled:
         init_adapters(model, cfg.seed)
@@ -155,7 +165,8 @@ def to_checkpoint_layout(folder: str | Path) -> None:
 
 class SafetensorsReader:
     """Slices of named tensors from a folder of safetensors files, fused experts included (`transposed`:
-    stored as (E, H, 2I) and (E, I, H), read into transformers' (E, 2I, H) and (E, H, I))."""
+    stored as (E, H, 2I) and (E, I, H), read into transformers' (E, 2I, H) and (E, H, I)); after `follow(model)`,
+    under the model's names where transformers renames or merges the checkpoint's."""
 
     def __init__(self, folder: Path, transposed: bool = False) -> None:
         self.transposed = transposed
@@ -164,6 +175,18 @@ class SafetensorsReader:
             raise FileNotFoundError(f"no *.safetensors files in {folder}")
         self.stack = ExitStack()
         self.where: dict[str, Any] = {}
+        self.renamed: dict[str, str] = {}  # model name -> checkpoint key
+        self.merged: dict[str, list[list[str]]] = {}  # model name -> parts (along dim 1) of per-expert keys
+
+    def follow(self, model: nn.Module) -> SafetensorsReader:
+        from safetensors import safe_open
+
+        keys = []
+        for path in self.files:
+            with safe_open(str(path), "pt", device="cpu") as handle:
+                keys.extend(handle.keys())
+        self.renamed, self.merged = checkpoint_sources(model, keys)
+        return self
 
     def __enter__(self) -> SafetensorsReader:  # noqa: PYI034
         from safetensors import safe_open
@@ -177,30 +200,29 @@ class SafetensorsReader:
         self.stack.close()
 
     def read(self, name: str, box: Box) -> torch.Tensor:
-        fused = FUSED.match(name)
-        if name in self.where and fused and self.transposed:
+        key = self.renamed.get(name, name)
+        if key in self.where and self.transposed and FUSED.match(name):
             (e, r, c), (ne, nr, nc) = box
-            return self.where[name].get_slice(name)[e:e + ne, c:c + nc, r:r + nr].transpose(1, 2)
-        if name in self.where:
-            return self.where[name].get_slice(name)[_slices(box)]
-        if fused and f"{fused['prefix']}.{box[0][0]}.down_proj.weight" in self.where:
-            return self._per_expert(fused["prefix"], fused["param"], box)
+            return self.where[key].get_slice(key)[e:e + ne, c:c + nc, r:r + nr].transpose(1, 2)
+        if key in self.where:
+            return self.where[key].get_slice(key)[_slices(box)]
+        if name in self.merged:
+            return self._per_expert(self.merged[name], box)
         raise KeyError(f"checkpoint has no tensor {name!r} (files: {[p.name for p in self.files]})")
 
-    def _per_expert(self, prefix: str, param: str, box: Box) -> torch.Tensor:
+    def _per_expert(self, parts: list[list[str]], box: Box) -> torch.Tensor:
+        """Experts [e0, e0 + ne) of a fused tensor, each expert's rows [r0, r0 + nr) of its parts one after the
+        other (gate_up_proj: gate_proj's rows, then up_proj's), read from one tensor per expert and part."""
         (e0, r0, c0), (ne, nr, nc) = box
         out = []
         for e in range(e0, e0 + ne):
-            if param == "down_proj":
-                out.append(self._rows(f"{prefix}.{e}.down_proj.weight", r0, nr, c0, nc))
-                continue
-            inter = self.where[f"{prefix}.{e}.gate_proj.weight"].get_slice(f"{prefix}.{e}.gate_proj.weight")
-            size = inter.get_shape()[0]
-            rows = []  # rows [0, I) of gate_up are gate_proj's, [I, 2I) up_proj's
-            for part, lo, hi in (("gate_proj", 0, size), ("up_proj", size, 2 * size)):
-                a, b = max(r0, lo), min(r0 + nr, hi)
+            rows, lo = [], 0
+            for keys in parts:
+                size = self.where[keys[e]].get_slice(keys[e]).get_shape()[0]
+                a, b = max(r0, lo), min(r0 + nr, lo + size)
                 if a < b:
-                    rows.append(self._rows(f"{prefix}.{e}.{part}.weight", a - lo, b - a, c0, nc))
+                    rows.append(self._rows(keys[e], a - lo, b - a, c0, nc))
+                lo += size
             out.append(torch.cat(rows) if rows else torch.empty(0, nc))
         return torch.stack(out) if out else torch.empty(0, nr, nc)
 

@@ -5,8 +5,11 @@ Contract:
   get an adapter: those whose last name part is in `cfg.target_modules` (null: those of
   `LoraConfig.DEFAULT_TARGETS` the model has). MoE experts (fused 3-D
   parameters) never do: vLLM serves no adapter on fused experts on CPU, and rlray keeps one rule
-  for CPU and GPU. Raises `ValueError` naming `trainer.lora.target_modules` for an entry that matches
-  no module, and `trainer.lora.rank` when it exceeds a targeted layer's smaller side.
+  for CPU and GPU. (Nemotron-H's defaults: attention q/k/v/o and the up/down of its shared experts and
+  dense MLPs; its Mamba `in_proj`/`out_proj` only when listed: vLLM splits `in_proj`'s gate, x, B, C and dt
+  rows over tensor-parallel ranks part by part, and an adapter there is unproven.) Raises `ValueError`
+  naming `trainer.lora.target_modules` for an entry that matches no module, and `trainer.lora.rank` when
+  it exceeds a targeted layer's smaller side.
   `adapter_params(model, cfg)` counts the adapters' parameters (the plan's LoRA memory).
 - `apply_lora(model, cfg)`: injects the adapters (PEFT's `inject_adapter_in_model`) into the decoder
   layers and freezes every other parameter; works on a meta-device model, before `parallelize`.

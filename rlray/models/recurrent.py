@@ -5,8 +5,8 @@ window, run from one sequence into the next. transformers' CPU fallbacks take on
 `cu_seqlens` (hub kernels filter keyword arguments to their signature), so rlray runs the mixer once per
 sequence, as packed attention runs SDPA once per sequence (rlray.models.attention).
 
-Contract: `reset_per_sequence(model, attr)` makes the `attr` module of every decoder layer that has one (a
-Qwen3-Next layer's `linear_attn`) run once per sequence of its row: each decoder layer's forward pre-hook keeps
+Contract: `reset_per_sequence(model, attr)` makes the `attr` module of every linear-attention decoder layer (a
+Qwen3-Next layer's `linear_attn`, a Nemotron-H Mamba layer's `mixer`) run once per sequence of its row: each decoder layer's forward pre-hook keeps
 the `position_ids` it is given, whose runs that count up by one are the row's sequences (`spans`, the rule
 packed attention uses), and the mixer's forward is called on each run alone, without a cache (one would carry
 a sequence's state into the next; the trainer runs without one anyway), and the outputs put back in place. Rows holding one sequence each (the padded layout) take one
@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from rlray.models.attention import spans
+from rlray.models.cache import LINEAR, layer_kinds
 from rlray.parallel.parallelize import decoder_layers
 
 _ON = "_rlray_reset_per_sequence"
@@ -30,9 +31,10 @@ _ON = "_rlray_reset_per_sequence"
 
 def reset_per_sequence(model: nn.Module, attr: str) -> int:
     wrapped = 0
-    for layer in decoder_layers(model):
+    kinds = layer_kinds(model.config.get_text_config())
+    for layer, kind in zip(decoder_layers(model), kinds, strict=True):
         mixer = getattr(layer, attr, None)
-        if mixer is None:
+        if mixer is None or kind != LINEAR:  # Nemotron-H calls every layer's block `mixer`
             continue
         layer.register_forward_pre_hook(_keep_positions(mixer), with_kwargs=True)
         mixer.forward = _per_sequence(mixer, mixer.forward)

@@ -69,7 +69,7 @@ def tiny_architecture(cfg: ModelConfig, vocab: int, tok) -> PretrainedConfig:
     f = family(cfg.arch)
     if f.vision:  # its own tokenizer: the character one plus the family's vision tokens
         return vision.VISION_ARCHS[f.vision].config(cfg, vision.vision_tokenizer(f.vision))
-    return getattr(transformers, f.config_class)(**_common(cfg, vocab, tok), **f.tiny(cfg))
+    return getattr(transformers, f.config_class)(**{**_common(cfg, vocab, tok), **f.tiny(cfg)})  # a family may override
 
 
 BUILD = 2  # bumped when a build writes other files for the same config (2: Qwen3-VL-MoE's expert layout)

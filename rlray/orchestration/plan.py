@@ -12,12 +12,16 @@ ep x efsdp = N as well): fp32 master weights 4P/N, fp32 gradients 4P/N, AdamW 8P
 adapters, their gradients and AdamW; the gathered working set (two decoder layers in the compute
 dtype, with this rank's E/ep experts, plus one layer's fp32 gradients before reduce-scatter (none
 for a frozen base), plus embedding and head); activations for `micro_batch_tokens` T: per
-layer T x b x (6H + 2 q-width + 2 kv-width + MLP widths), every layer without checkpointing, or
-the layer inputs plus one layer with it; fp32 logits and their gradient, T x V x (b + 8); on a
+layer T x b x (6H + 2 q-width + 2 kv-width + MLP widths: k experts of the record's width, 3 matrices
+gated or 2), every layer without checkpointing, or the layer inputs plus one layer with it; with
+attention sinks (eager attention per sequence) heads x L^2 x b per layer and 3 more transient, L the
+longest sequence (rollout.max_model_len, at most T); fp32 logits and their gradient, T x V x (b + 8); on a
 GPU a fixed 4 GB for the CUDA context and NCCL.
 Engine, per GPU (tensor parallel TP): weights P x b / TP; the KV cache gets what is left of
 `kv_cache_fraction` of the GPU after weights and a 2 GB activation reserve (or exactly
-`kv_cache_gb`), at 2 x layers x kv_heads x head_dim x b / TP bytes per token.
+`kv_cache_gb`), at 2 x layers x kv_heads x head_dim x b / TP bytes per token of a full-attention layer, plus
+per sequence a sliding-window layer's KV of its window and a linear-attention layer's recurrent state
+(rlray.models.cache). MoE activations read the record's expert width and gating (rlray.config.families).
 Colocated (`cluster.colocate`), per device: the train, handover and generate phases of the turns and
 both at once (rlray.orchestration.phases, with the ipc handover's buffer on GPUs). The run takes turns
 (async.max_off_policy_steps=0) unless both fit at once.
@@ -39,10 +43,11 @@ from rlray.config import (
     engine_workers,
     weight_backend,
 )
+from rlray.config.checks import cp_refusal
 from rlray.config.colocation import TRAINER_GPU_SHARE
 from rlray.config.families import family, known
 from rlray.config.resources import needs
-from rlray.models.cache import cache_bytes
+from rlray.models.cache import LINEAR, SLIDING, cache_bytes, layer_kinds
 from rlray.models.shape import ModelShape, human, model_shape
 from rlray.orchestration import phases
 from rlray.orchestration.phases import BYTES, ENGINE_RESERVE_GB, GB
@@ -81,16 +86,22 @@ def _activations(s: ModelShape, c: Config, checkpointing: bool) -> float:
     t, b = c.trainer.micro_batch_tokens // c.trainer.cp, BYTES[c.trainer.param_dtype]  # each cp rank: 1/cp of a row
     hidden, heads, kv = s.dim("hidden_size"), s.dim("num_attention_heads"), s.dim("num_key_value_heads")
     head_dim = s.dim("head_dim", hidden // max(heads, 1))
+    moe = s.family.moe if s.family and s.family.moe else None
+    mats = 3 if moe is None or moe.gated else 2  # gate, up and down; or up and down (Nemotron-H's relu^2)
     if s.experts:
-        k, inter = s.dim("num_experts_per_tok"), s.dim("moe_intermediate_size")
-        key = s.family.moe.shared_width if s.family and s.family.moe else None
+        k, inter = s.dim("num_experts_per_tok"), s.dim(moe.width if moe else "moe_intermediate_size")
+        key = moe.shared_width if moe else None
         shared = 0 if key is None else s.dim(key) * (inter if key.startswith("n_") else 1)
-        mlp = k * (hidden + 3 * inter) + (hidden + 3 * shared if shared else 0)
+        mlp = k * (hidden + mats * inter) + (hidden + mats * shared if shared else 0)
     else:
-        mlp = hidden + 3 * s.dim("intermediate_size")
-    one_layer = t * b * (6 * hidden + 2 * heads * head_dim + 2 * kv * head_dim + mlp)
+        mlp = hidden + mats * s.dim("intermediate_size")
+    # a family with sinks attends eagerly, one sequence at a time (rlray.models.attention): per layer the L x L
+    # probabilities per head of its longest sequence stay for backward, 3 more such matrices pass through
+    length = min(c.rollout.max_model_len, t) if s.family and s.family.sinks else 0
+    scores = heads * length * length * b
+    one_layer = t * b * (6 * hidden + 2 * heads * head_dim + 2 * kv * head_dim + mlp) + scores
     layers = s.dim("num_hidden_layers")
-    return (layers * t * hidden * b + one_layer) if checkpointing else layers * one_layer
+    return (layers * t * hidden * b + one_layer if checkpointing else layers * one_layer) + 3 * scores
 
 
 def trainer_memory(s: ModelShape, c: Config, n: int | None = None) -> dict[str, float]:
@@ -124,7 +135,7 @@ def engine_memory(s: ModelShape, r: RolloutConfig | TeacherConfig, gpu_memory_gb
         kv = r.kv_cache_gb * 2**30
     else:
         kv = r.kv_cache_fraction * gpu_memory_gb * GB - weights - ENGINE_RESERVE_GB * GB
-    per_token, per_sequence = cache_bytes(s.hf.get_text_config(), tp, b)
+    per_token, per_sequence = cache_bytes(s.hf.get_text_config(), tp, b, r.max_model_len)
     seq = per_token * r.max_model_len + per_sequence
     return {"weights": weights, "KV cache": max(kv, 0.0), "sequences": max(kv, 0.0) / seq,
             "per token": per_token, "per sequence": per_sequence}
@@ -178,8 +189,7 @@ class Plan:
             out.append(str(e))
         f = self.shape.family
         if f is not None and not f.cp and c.trainer.cp > 1:
-            out.append(f"trainer.cp={c.trainer.cp} with {self.shape.name}: context parallelism splits attention, and its "
-                       f"recurrent layers ({f.recurrent}) would run over split sequences; set trainer.cp=1")
+            out.append(f"trainer.cp={c.trainer.cp} with {self.shape.name}: {cp_refusal(f)}; set trainer.cp=1")
         if c.trainer.router_replay and not self.shape.experts:
             out.append(f"trainer.router_replay=true but the {self.shape.arch} model has no experts; set "
                        "trainer.router_replay=false")
@@ -275,8 +285,11 @@ class Plan:
             fit = self.ranks_to_fit()
             lines.append(f"  fits on {fit} trainer GPUs or more" if fit else "  fits on no number of trainer GPUs")
         e = self.engine
+        kinds = layer_kinds(s.hf.get_text_config())
+        held = [f"the recurrent state of {kinds.count(LINEAR)} linear-attention layers"] * (LINEAR in kinds) + [
+            f"the KV of {kinds.count(SLIDING)} sliding-window layers"] * (SLIDING in kinds)
         state = (f" (KV of {s.full_attention_layers} full-attention layers, {e['per token'] / 2**10:.1f} KiB per token, and "
-                 f"{e['per sequence'] / 2**20:.1f} MiB of recurrent state per sequence)" if e["per sequence"] else "")
+                 f"{e['per sequence'] / 2**20:.1f} MiB per sequence: {' and '.join(held)})" if e["per sequence"] else "")
         lines.append(f"memory per engine {'GPU' if r.gpus_per_actor else 'CPU'} (estimate): weights "
                      f"{e['weights'] / GB:.2f} GB, KV cache {e['KV cache'] / GB:.2f} GB = {e['sequences']:.0f} "
                      f"sequences of {r.max_model_len} tokens{state}")

@@ -24,8 +24,12 @@ MESHES = ("dp_shard", "cp", "ep", "efsdp")
 
 def num_experts(hf_config: Any) -> int:
     """Routed experts per MoE layer of a transformers config (0 for a dense model); a vision-language
-    model's are in its text config."""
+    model's are in its text config. A config whose layer kinds name its feed-forward layers (Nemotron-H's "moe",
+    "mlp") and none "moe" is dense, whatever its expert count says."""
     text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    kinds = getattr(text, "layer_types", None) or ()
+    if "mlp" in kinds and "moe" not in kinds:
+        return 0
     for key in ("n_routed_experts", "num_experts", "num_local_experts"):
         value = getattr(text, key, None)
         if isinstance(value, int) and value > 0:

@@ -3,10 +3,12 @@
 Contract:
 - `moe_experts(model)` lists `(name, module)` of every fused experts module: one with `num_experts`
   and a family record's expert parameters 3-D (rlray.config.families: `gate_up_proj` (E, 2I, H) and
-  `down_proj` (E, H, I) for Glm4MoeExperts, Qwen3MoeExperts, Qwen3NextExperts, ...).
+  `down_proj` (E, H, I) for Glm4MoeExperts, Qwen3MoeExperts, Qwen3NextExperts, ...; Nemotron-H's ungated
+  `up_proj` (E, I, H) and `down_proj`). A dense MLP's or shared experts' `up_proj` is a linear module, not a
+  3-D parameter, and a router holds none of them: neither is an experts module.
 - `apply_expert_parallel(model, ep_mesh)` gives each rank of `ep_mesh` E/ep of every layer's
-  experts (DTensor `Shard(0)` on `ep_mesh`) and makes each experts module dispatch its
-  (token, expert) pairs to their owners with all-to-all and combine the results with the
+  experts (DTensor `Shard(0)` on `ep_mesh`, gpt-oss's per-expert biases with them) and makes each experts
+  module dispatch its (token, expert) pairs to their owners with all-to-all and combine the results with the
   routing weights, in forward and backward (all-to-all of gloo or NCCL; tested on gloo). The router (GLM's
   `e_score_correction_bias`, group-limited top-k) is not touched: it runs on every rank over
   that rank's own tokens. The pieces are transformers' own (rlray.parallel.hf).
@@ -48,7 +50,7 @@ class ExpertLoad:
 
     def __init__(self, model: nn.Module) -> None:
         self.layers = moe_experts(model)
-        self.total = [int(m.gate_up_proj.shape[0]) for _, m in self.layers]  # global E, also under EP
+        self.total = [int(m.down_proj.shape[0]) for _, m in self.layers]  # global E, also under EP
         self.counts: list[torch.Tensor] = []
         self.active = False
         self.reset(torch.device("cpu"))

@@ -1,11 +1,12 @@
 """The one adapter onto transformers (and torch) internals that rlray relies on (pinned by tests/unit/test_hf_adapter.py).
 
 - `shard_and_dispatch_experts(module, ep_mesh)`: transformers' own expert-parallel pieces for
-  a fused experts module: `MoEParamShard` (weights become DTensors `Shard(0)` on `ep_mesh`,
-  `module.num_experts` the local count) and `EpDispatchExpertsParallel.install_forward`
-  (all-to-all token dispatch and combine around the experts' own kernel). transformers 5.19
-  applies them only through `from_pretrained(distributed_config=...)`, which refuses
-  `ep_size != tp_size`; rlray needs EP over data-parallel ranks, so it calls them itself.
+  a fused experts module: `MoEParamShard` (every parameter of the module that leads with the expert
+  count, `expert_sharded(module)`: the fused weights and gpt-oss's per-expert biases, as gpt-oss's own EP
+  plan shards them, become DTensors `Shard(0)` on `ep_mesh`, `module.num_experts` the local count) and
+  `EpDispatchExpertsParallel.install_forward` (all-to-all token dispatch and combine around the experts'
+  own kernel). transformers 5.19 applies them only through `from_pretrained(distributed_config=...)`,
+  which refuses `ep_size != tp_size`; rlray needs EP over data-parallel ranks, so it calls them itself.
 - `init_non_persistent_buffers(model)`: after a meta-device build and `to_empty`, recompute the
   buffers that no checkpoint holds (rotary `inv_freq`) with the model's own `_init_weights`.
 - `register_attention(name, fn)`: an attention function in transformers' `AttentionInterface`,
@@ -13,11 +14,14 @@
   it, so transformers hands it `attention_mask=None` and builds no mask of its own.
 - `sdpa_attention(module, query, key, value, mask, causal, **kwargs)`: transformers' own SDPA
   attention (GQA head repeat, scaling, dropout) with a boolean mask of ours, or causal.
+- `eager_attention(module, query, key, value, mask, **kwargs)`: the module's own modeling file's
+  `eager_attention_forward` (gpt-oss's adds its attention sinks, `module.sinks`) with an additive mask of ours.
 - `router_weights(router, logits, indices)`: what a transformers MoE router computes as the routing
   weights of experts `indices` [N, K] from its `logits` [N, E] (Qwen3-MoE: softmax, renormalised
   over the top-k; GLM-4.5: sigmoid without the correction bias, renormalised, times
-  `routed_scaling_factor`; their vision-language variants alike), for routing replay (rlray.parallel.routing):
-  `ROUTER_RULES` by the rule its family's record names (rlray.config.families).
+  `routed_scaling_factor`; their vision-language variants alike; gpt-oss, "topk_softmax": a softmax over
+  the top-k logits, the router's bias in them, equal to Qwen's rule only to rounding), for routing replay
+  (rlray.parallel.routing): `ROUTER_RULES` by the rule its family's record names (rlray.config.families).
 - `text_positions_to_layers(model)`: a vision-language model's decoder layers get the text positions
   (row 0 of the [4, B, T] `position_ids`) as their `position_ids`, from which packed attention (and
   flash attention's varlen path) read the sequence bounds. Qwen3-VL passes them so; GLM-4.5V's text
@@ -27,13 +31,25 @@
   (E, H, 2I) and (E, I, H), transposed from transformers' in-memory layout (Qwen3-VL-MoE): read from
   transformers' own checkpoint conversion mapping (a `Transpose` on `mlp.experts.*`). vLLM's loader reads
   that layout, so rlray reads, sends and writes the experts so for those families.
+- `checkpoint_sources(model, keys)`: transformers' own load-time renaming of a checkpoint's tensor names into the
+  model's (its conversion mapping for `model`: Nemotron-H's `backbone.` -> `model.`, and the per-expert tensors
+  `experts.<e>.gate_proj.weight`, ... that it merges into fused experts), so that rlray reads slices of exactly
+  what `from_pretrained` would load. Returns the renamed tensors (model name -> key) and the merged ones (model
+  name -> parts concatenated along dim 1, each part its experts' keys in expert order, stacked along dim 0);
+  merges of other shapes than that are left out (Qwen3-VL-MoE's transpose: `experts_transposed_on_disk`).
+- `save_pretrained(model, folder, state_dict)`: transformers' `save_pretrained` under the model's own class, not
+  the one FSDP2 makes of it (`FSDP<Class>`), by which transformers finds no checkpoint conversion: saved so, the
+  tensors take the checkpoint's names and layout (Nemotron-H's `backbone.` and per-expert tensors, Qwen3-VL-MoE's
+  transposed experts), as `from_pretrained` reads them.
 - `all_gather_autograd(x, group)`: torch's functional all-gather along dim 0 whose backward
   returns each rank's share of the gradient (an all-to-all on gloo, which has no reduce-scatter).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import importlib
+import re
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -41,18 +57,22 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 
-from rlray.config.families import expert_params, router_rule
+from rlray.config.families import router_rule
 
-EXPERT_PARAMS = expert_params()  # every family's fused expert parameters (rlray.config.families)
+
+def expert_sharded(module: nn.Module) -> list[str]:
+    """The experts module's own parameters that lead with the expert count: the fused weights and any
+    per-expert biases (gpt-oss's `gate_up_proj_bias` (E, 2I), `down_proj_bias` (E, H))."""
+    total = module.num_experts
+    return [n for n, p in module.named_parameters(recurse=False) if p.dim() and p.shape[0] == total]
 
 
 def shard_and_dispatch_experts(module: nn.Module, ep_mesh: DeviceMesh) -> None:
     from transformers.distributed.tensor_parallel import EpDispatchExpertsParallel, MoEParamShard
 
-    shard = MoEParamShard(Shard(0), shards_expert_dim=True)
-    for param in EXPERT_PARAMS:
-        if isinstance(getattr(module, param, None), nn.Parameter):
-            shard.shard_param(module, param, ep_mesh)
+    shard = MoEParamShard(Shard(0), shards_expert_dim=True)  # sets module.num_experts to the local count
+    for param in expert_sharded(module):
+        shard.shard_param(module, param, ep_mesh)
     EpDispatchExpertsParallel().install_forward(module, ep_mesh)
 
 
@@ -78,6 +98,14 @@ def sdpa_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
     return sdpa_attention_forward(module, query, key, value, mask, is_causal=causal, **kwargs)
 
 
+def eager_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None,
+                    **kwargs: Any) -> tuple[Tensor, Tensor]:
+    """The module's own model's `eager_attention_forward` (gpt-oss's adds its `module.sinks`) under an
+    additive `mask`; output [B, T, H, D]."""
+    eager = importlib.import_module(type(module).__module__).eager_attention_forward
+    return eager(module, query, key, value, mask, **kwargs)
+
+
 def _softmax_weights(router: nn.Module, logits: Tensor, indices: Tensor) -> Tensor:
     w = torch.softmax(logits, dtype=torch.float, dim=-1).gather(1, indices)
     if getattr(router, "norm_topk_prob", True):  # Qwen3-VL-MoE's router has no flag: it always renormalises
@@ -92,10 +120,15 @@ def _sigmoid_weights(router: nn.Module, logits: Tensor, indices: Tensor) -> Tens
     return w * router.routed_scaling_factor
 
 
+def _topk_softmax_weights(router: nn.Module, logits: Tensor, indices: Tensor) -> Tensor:
+    return torch.softmax(logits.gather(1, indices), dim=-1, dtype=logits.dtype)
+
+
 # a family's routing-weight rule (rlray.config.families MoE.rule) -> how its router weighs the chosen experts
 ROUTER_RULES: dict[str, Callable[[nn.Module, Tensor, Tensor], Tensor]] = {
     "softmax": _softmax_weights,
     "sigmoid": _sigmoid_weights,
+    "topk_softmax": _topk_softmax_weights,
 }
 
 
@@ -133,7 +166,49 @@ def experts_transposed_on_disk(model_type: str) -> bool:
                for c in get_checkpoint_conversion_mapping(model_type) or [])
 
 
+def checkpoint_sources(model: nn.Module, keys: Iterable[str]) -> tuple[dict[str, str], dict[str, list[list[str]]]]:
+    """(model name -> the key renamed into it, model name -> its per-expert keys: parts, each in expert order)."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, rename_source_key
+
+    transforms = get_model_conversion_mapping(model)
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    renamings = [t for t in transforms if not isinstance(t, WeightConverter)]
+    by_pattern = {p: c for c in converters for p in c.source_patterns}
+    renamed: dict[str, str] = {}
+    merged: dict[str, list[dict[int, str]]] = {}
+    for key in sorted(keys):  # transformers renames in sorted order too (a GroupWeightRename keeps state)
+        name, pattern = rename_source_key(key, renamings, converters)
+        if pattern is None:
+            if name != key:
+                renamed[name] = key
+        elif _stacks_experts(by_pattern[pattern]):
+            expert = re.search(re.escape(pattern).replace(r"\*", r"(\d+)"), key)
+            parts = merged.setdefault(name, [{} for _ in by_pattern[pattern].source_patterns])
+            parts[by_pattern[pattern].source_patterns.index(pattern)][int(expert[1])] = key
+    return renamed, {name: [[p[e] for e in sorted(p)] for p in parts] for name, parts in merged.items()}
+
+
+def _stacks_experts(converter: Any) -> bool:
+    """One tensor per expert stacked along dim 0 (`MergeModulelist(dim=0)`), its parts then concatenated along
+    dim 1 (`Concatenate(dim=1)`: gate_proj's rows, then up_proj's)."""
+    ops = [(type(op).__name__, getattr(op, "dim", None)) for op in converter.operations]
+    return ops in ([("MergeModulelist", 0)], [("MergeModulelist", 0), ("Concatenate", 1)])
+
+
 def all_gather_autograd(x: Tensor, group: Any) -> Tensor:
     from torch.distributed._functional_collectives import all_gather_single_autograd
 
     return all_gather_single_autograd(x, 0, group)
+
+
+def save_pretrained(model: nn.Module, folder: str, state_dict: dict[str, Tensor]) -> None:
+    from torch.distributed.fsdp import FSDPModule
+
+    wrapped = type(model)
+    own = next(c for c in wrapped.__mro__ if not issubclass(c, FSDPModule))
+    model.__class__ = own  # for the save only: the forward hooks FSDP2 installed are not called
+    try:
+        model.save_pretrained(folder, state_dict=state_dict)
+    finally:
+        model.__class__ = wrapped

@@ -3,8 +3,9 @@
 Contract:
 - `moe_routers(model)` lists the router of every MoE layer, in layer order: the router of a block that
   also holds fused experts, by the attribute names of the family records (rlray.config.families: `gate`
-  and `experts`; transformers' Qwen3MoeTopKRouter, Glm4MoeTopkRouter, ... each return `(logits, weights,
-  indices)`). A router class no family record names is a ValueError naming it when replay is on.
+  or gpt-oss's `router`, and `experts`; transformers' Qwen3MoeTopKRouter, Glm4MoeTopkRouter,
+  GptOssTopKRouter, ... each return `(logits, weights, indices)`, the logits with the router's bias if it
+  has one). A router class no family record names is a ValueError naming it when replay is on.
 - `RouterReplay(model, replay)` wraps each router's forward. Inside `with rr.routing(r)` (`r` a
   LongTensor [N, L, K]: for each of the N tokens of a forward, in the model's flattened [B, T]
   order, and each of the L MoE layers, the engine's K experts; `no_route` where the engine had none)

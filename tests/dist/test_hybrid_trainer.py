@@ -1,12 +1,14 @@
-"""The trainer on the gated delta-net hybrids (Qwen3.5 dense and MoE, Qwen3-Next; fp32, gloo), each family's tiny
-twin as its record builds it (one linear-attention layer, one full-attention layer):
+"""The trainer on the recurrent hybrids (the gated delta-net ones, Qwen3.5 dense and MoE and Qwen3-Next, and the
+Mamba-2 one, Nemotron-H with its ungated experts; fp32, gloo), each family's tiny twin as its record builds it (one
+linear-attention layer, one full-attention layer; Nemotron-H's each followed by an MoE layer):
 
 - its logprobs equal transformers' own model run on each sequence alone (an independent computation);
 - packed micro-batches (several sequences per row) give the loss and gradients of one padded row per
-  sequence (rtol 1e-5): each gated delta-net runs once per sequence (rlray.models.recurrent); with that reset
-  switched off the packed loss is wrong, by far (the state of one sequence runs into the next);
-- on 2 ranks (FSDP2, and expert parallelism EP 2 for the MoE ones) the loss and gradients equal one process's.
-One spawn per world size runs the three families."""
+  sequence (rtol 1e-5): each gated delta-net or Mamba mixer runs once per sequence (rlray.models.recurrent); with
+  that reset switched off the packed loss is wrong, by far (the state of one sequence runs into the next);
+- on 2 ranks (FSDP2, activation checkpointing, and expert parallelism EP 2 for the MoE ones) the loss and
+  gradients equal one process's.
+One spawn per world size runs the four families."""
 
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ from rlray.models.tiny import model_path
 from rlray.parallel.expert import moe_experts
 from tests.dist.common import assert_grads_close, full_grads, spawn
 
-ARCHS = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
+ARCHS = ("qwen3_5", "qwen3_5_moe", "qwen3_next", "nemotron_h")
 SHAPE = {"num_layers": 2, "hidden_size": 64, "intermediate_size": 128, "num_heads": 2, "num_kv_heads": 1,
          "moe_intermediate_size": 32, "init_std": 0.1}
 
@@ -68,8 +70,9 @@ def worker(rank: int, world: int, port: int, out: dict) -> None:
     for arch in ARCHS:
         model = ModelConfig(arch=arch, seed=7, **SHAPE)
         ep = world if family(arch).moe else 1
-        t = TrainerActor(rank, world, f"127.0.0.1:{port}", model, TrainerConfig(num_ranks=world, ep=ep),
-                         algo_config(loss="dapo"), "gloo", temperature=0.7)
+        trainer = TrainerConfig(num_ranks=world, ep=ep, activation_checkpointing=world > 1)  # recomputed: the same
+        t = TrainerActor(rank, world, f"127.0.0.1:{port}", model, trainer, algo_config(loss="dapo"), "gloo",
+                         temperature=0.7)
         t.setup()
         result = {packed: _step(t, data, world, rank, packed) for packed in (True, False)}
         result["experts"] = [m.num_experts for _, m in moe_experts(t.model)]
@@ -101,6 +104,7 @@ def test_one_process_equals_transformers_and_packed_rows_reset_the_recurrent_sta
     assert np.isclose(packed["loss"], padded["loss"], rtol=1e-5), (packed["loss"], padded["loss"])
     assert_grads_close(padded["grads"], packed["grads"], rtol=1e-5)
     off = r["no reset"]["loss"]
+    print(f"{arch}: packed loss {packed['loss']:.6g}, padded {padded['loss']:.6g}, packed without the reset {off:.6g}")
     assert abs(off - padded["loss"]) > 1e-3 * abs(padded["loss"]), (off, padded["loss"])  # the reset is what holds
     assert len(r["scored"]) == 8
     for got, want in r["scored"]:

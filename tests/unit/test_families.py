@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch import nn
 
 from rlray.config import ConfigError, ModelConfig
 from rlray.config.families import FAMILIES, family, router_rule
@@ -21,6 +22,7 @@ def test_every_family_builds_its_twin_and_its_names_resolve(name: str) -> None:
     from rlray.data.tokenizer import char_tokenizer
     from rlray.models.cache import LINEAR, layer_kinds
     from rlray.models.multimodal import is_vision
+    from rlray.models.recurrent import reset_per_sequence
     from rlray.models.tiny import tiny_architecture
     from rlray.parallel.dims import num_experts
     from rlray.parallel.expert import moe_experts
@@ -43,9 +45,15 @@ def test_every_family_builds_its_twin_and_its_names_resolve(name: str) -> None:
     else:
         assert num_experts(hf) == 0 and not routers and not experts
     kinds = layer_kinds(hf.get_text_config())
-    mixers = [getattr(layer, f.recurrent, None) for layer in decoder_layers(model)] if f.recurrent else []
-    assert [m is not None for m in mixers] == ([k == LINEAR for k in kinds] if f.recurrent else [])
-    assert not f.recurrent or (LINEAR in kinds and "full_attention" in kinds)  # the twin has one of each kind
+    if f.recurrent:  # what packing runs per sequence: the mixer of each linear-attention layer, and only those
+        # (every Nemotron-H layer's block is a `mixer`: Mamba-2, attention, MoE or MLP)
+        assert reset_per_sequence(model, f.recurrent) == kinds.count(LINEAR)
+        wrapped = ["forward" in vars(getattr(layer, f.recurrent, None) or nn.Module())  # its forward replaced
+                   for layer in decoder_layers(model)]
+        assert wrapped == [k == LINEAR for k in kinds]
+        assert LINEAR in kinds and "full_attention" in kinds  # the twin has one of each kind
+    else:
+        assert LINEAR not in kinds
     for hub_id in f.catalog:
         assert family(CATALOG[hub_id].model_type) is f
 
@@ -112,3 +120,58 @@ def test_a_recurrent_familys_cpu_engine_serves_without_prefix_caching() -> None:
     actor = RolloutActor(0, 1, c.model, c.rollout, c.env, 0)
     assert actor._engine_kwargs(recurrent=True)["enable_prefix_caching"] is False
     assert "enable_prefix_caching" not in actor._engine_kwargs(recurrent=False)
+
+
+def test_nemotron_h_plan_counts_its_mamba_state_and_its_ungated_experts() -> None:
+    """Hand-computed for Nemotron 3 Nano in bf16. Its 6 attention layers (2 KV heads of 128): 2 x 6 x 2 x 128 x 2 B
+    = 6,144 B per token at TP 1. Each of its 23 Mamba-2 layers keeps, per sequence, the conv's last 3 inputs of
+    64 heads x 64 + 2 x 8 groups x 128 = 6,144 channels in bf16 (36,864 B) and an SSM state of 64 x 64 x 128 in
+    fp32, as vLLM keeps Nemotron-H's (2,097,152 B): 23 x 2,134,016 = 49,082,368 B (49.1 MB). Its 23 MoE and
+    its other blocks keep nothing. At TP 16 the 8 groups do not divide: vLLM repeats them to 16, so the conv
+    holds (4,096 + 2 x 16 x 128) / 16 = 512 channels. Activations (8,192 tokens, bf16, checkpointed): one layer's
+    6 x 2688 + 2 x 32 x 128 + 2 x 2 x 128 + 6 x (2688 + 2 x 1856) + (2688 + 2 x 3712) = 73,344 per token, relu^2
+    experts and shared expert being 2 matrices each (3 each if gated: 88,192), plus 52 layer inputs of 2688."""
+    from rlray.models.cache import cache_bytes
+    from rlray.models.catalog import architecture
+    from rlray.orchestration.plan import make_plan
+    from tests.unit.test_plan import composed
+
+    hf = architecture("nvidia/NVIDIA-Nemotron-3-Nano-30B-A3B-BF16")[0]
+    assert 23 * ((64 * 64 + 2 * 8 * 128) * 3 * 2 + 64 * 64 * 128 * 4) == 49_082_368
+    assert cache_bytes(hf, 1, 2) == (6144, 49_082_368)
+    assert cache_bytes(hf, 2, 2) == (6144 / 2, 49_082_368 / 2)
+    assert cache_bytes(hf, 16, 2)[1] == 23 * ((4096 + 2 * 16 * 128) / 16 * 3 * 2 + 4 * 64 * 128 * 4)
+    plan = make_plan(composed("+recipe=nemotron", "trainer.param_dtype=bfloat16"))
+    assert plan.trainer["activations"] == 52 * 8192 * 2688 * 2 + 8192 * 2 * 73_344
+    assert plan.engine["per token"] == 6144 / 2 and plan.engine["per sequence"] == 49_082_368 / 2
+    assert plan.problems() == [] and plan.gpus == 24 and plan.shape.moe_layers == 23
+    assert "MiB per sequence: the recurrent state of 23 linear-attention layers" in plan.render()
+    twin = make_plan(composed("+recipe=nemotron", "+twin=cpu", "trainer.ep=1", "trainer.router_replay=false"))
+    assert twin.problems() == [] and twin.shape.moe_layers == 0 and "mlp" in twin.shape.hf.layers_block_type
+
+
+def test_gpt_oss_plan_counts_its_sliding_windows_and_its_eager_attention() -> None:
+    """Hand-computed for gpt-oss-20b in bf16 at TP 1: 12 full-attention layers of 8 KV heads of 64: 2 x 12 x 8 x 64 x
+    2 B = 24,576 B per token; its 12 sliding-window layers keep at most 128 tokens each per sequence: 12 x 2,048 x
+    128 = 3,145,728 B (3.15 MB), fewer when sequences are shorter. Activations (8,192 tokens, bf16, checkpointed):
+    one layer's 6 x 2880 + 2 x 64 x 64 + 2 x 8 x 64 + 4 x (2880 + 3 x 2880) = 72,576 per token (the experts'
+    width is its `intermediate_size`), plus the eager attention of a 4,096-token sequence: 64 heads x 4096^2 x 2 B
+    per layer, 4 of them at once, plus 24 layer inputs."""
+    from rlray.models.cache import cache_bytes
+    from rlray.models.catalog import architecture
+    from rlray.orchestration.plan import make_plan
+    from tests.unit.test_plan import composed
+
+    hf = architecture("openai/gpt-oss-20b")[0]
+    assert cache_bytes(hf, 1, 2) == (2 * 12 * 8 * 64 * 2, 12 * 2048 * 128) == (24_576, 3_145_728)
+    assert cache_bytes(hf, 1, 2, max_len=100) == (24_576, 12 * 2048 * 100)
+    assert cache_bytes(hf, 4, 2) == (24_576 / 4, 3_145_728 / 4)
+    small = make_plan(composed("+recipe=gpt_oss", "model.name=openai/gpt-oss-20b", "trainer.param_dtype=bfloat16"))
+    assert small.trainer["activations"] == 24 * 8192 * 2880 * 2 + 8192 * 2 * 72_576 + 4 * 64 * 4096**2 * 2
+    plan = make_plan(composed("+recipe=gpt_oss"))  # 120b: 18 + 18 layers, TP 4 (2 KV heads per GPU)
+    assert plan.engine["per token"] == 2 * 18 * 2 * 64 * 2 and plan.engine["per sequence"] == 18 * 2 * 2 * 64 * 2 * 128
+    assert plan.engine["weights"] == plan.shape.params * 2 / 4  # bf16, the MXFP4 experts dequantized
+    assert plan.problems() == [] and plan.gpus == 48 and plan.shape.moe_layers == 36
+    assert "MiB per sequence: the KV of 18 sliding-window layers" in plan.render()
+    twin = make_plan(composed("+recipe=gpt_oss", "+twin=cpu"))
+    assert twin.problems() == [] and (twin.c.trainer.ep, twin.shape.hf.sliding_window) == (2, 4)

@@ -92,6 +92,76 @@ def test_attention_choice(monkeypatch) -> None:
     assert attention_for(gpu, ParallelDims(2), "bfloat16") == attention_for(gpu, ParallelDims(2), "float16") \
         == "flash_attention_2"
     assert attention_for(gpu, ParallelDims(2), "float32") == attention_for(cpu, ParallelDims(2), "bfloat16") == PACKED
+    assert attention_for(gpu, ParallelDims(2), "bfloat16", sinks=True) == PACKED  # gpt-oss: no flash, no hub kernel
+
+
+def _gpt_oss(**extra: int):
+    from transformers import AutoModelForCausalLM
+
+    from rlray.data.tokenizer import char_tokenizer
+
+    tok = char_tokenizer()
+    cfg = ModelConfig(arch="gpt_oss", num_layers=2, hidden_size=64, num_heads=2, num_kv_heads=1,
+                      moe_intermediate_size=32, num_experts=4)
+    return AutoModelForCausalLM.from_config(tiny.tiny_architecture(cfg, len(tok), tok), **extra)
+
+
+def test_gpt_oss_experts_shard_their_biases_and_its_router_has_a_bias() -> None:
+    """Every parameter of gpt-oss's experts leads with the expert count, its biases included (transformers'
+    own EP plan shards them too); its experts are (E, H, 2I) and (E, I, H), its router `.router` a biased
+    linear returning (logits, weights, indices)."""
+    from transformers.models.gpt_oss.configuration_gpt_oss import GptOssConfig
+
+    from rlray.parallel.hf import expert_sharded
+
+    model = _gpt_oss()
+    (name, experts), *_ = moe_experts(model)
+    assert expert_sharded(experts) == ["gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias"]
+    assert tuple(experts.gate_up_proj.shape) == (4, 64, 64) and tuple(experts.down_proj.shape) == (4, 32, 64)
+    assert tuple(experts.gate_up_proj_bias.shape) == (4, 64) and tuple(experts.down_proj_bias.shape) == (4, 64)
+    plan = {k.rsplit(".", 1)[-1] for k, v in GptOssConfig.base_model_ep_plan.items() if v == "grouped_gemm"}
+    assert plan == set(expert_sharded(experts))
+    router = model.get_submodule(name.rsplit(".", 1)[0] + ".router")
+    logits, weights, indices = router(torch.randn(3, 64))
+    assert router.bias.shape == (4,) and logits.shape == (3, 4) and weights.shape == indices.shape == (3, 2)
+
+
+def test_gpt_oss_eager_attention_reads_the_sinks_and_gets_the_window() -> None:
+    """rlray.parallel.hf.eager_attention is gpt-oss's own eager function, which reads `module.sinks`; gpt-oss's
+    attention hands an attention function `sliding_window` (4 on its sliding layers, None on full ones) and
+    `scaling`, which packed attention reads (rlray.models.attention)."""
+    from transformers.masking_utils import sliding_window_causal_mask_function
+    from transformers.models.gpt_oss import modeling_gpt_oss
+
+    from rlray.models.attention import window_mask
+    from rlray.parallel.hf import eager_attention, register_attention
+
+    seen: list[dict] = []
+
+    def spy(module, query, key, value, attention_mask, **kwargs):
+        seen.append(kwargs)
+        return eager_attention(module, query, key, value, window_mask(query.shape[2], kwargs["sliding_window"],
+                                                                       query.dtype, query.device), **kwargs)
+
+    register_attention("rlray_test_sinks", spy)
+    model = _gpt_oss(attn_implementation="rlray_test_sinks")
+    ids = torch.randint(4, 40, (1, 9))
+    with torch.no_grad():
+        ours = model(input_ids=ids, use_cache=False).logits
+        model.set_attn_implementation("eager")
+        torch.testing.assert_close(ours, model(input_ids=ids, use_cache=False).logits, rtol=0, atol=0)
+    assert [k["sliding_window"] for k in seen] == [4, None] and all("scaling" in k for k in seen)
+    params = list(inspect.signature(modeling_gpt_oss.eager_attention_forward).parameters)
+    assert params[:7] == ["module", "query", "key", "value", "attention_mask", "scaling", "dropout"]
+    attn = model.model.layers[0].self_attn
+    q, k, v = torch.randn(1, 2, 9, 32), torch.randn(1, 1, 9, 32), torch.randn(1, 1, 9, 32)
+    before = eager_attention(attn, q, k, v, None, scaling=0.2)[0]
+    with torch.no_grad():
+        attn.sinks.add_(1.0)
+    assert not torch.allclose(eager_attention(attn, q, k, v, None, scaling=0.2)[0], before)
+    rule = sliding_window_causal_mask_function(4)  # transformers' window: q - 4 < k <= q
+    want = rule(0, 0, torch.arange(9)[:, None], torch.arange(9)[None, :])
+    assert torch.equal(window_mask(9, 4, torch.float32, torch.device("cpu"))[0, 0] == 0, want)
 
 
 def test_qwen3_vl_moe_checkpoints_hold_transposed_experts() -> None:
@@ -124,3 +194,29 @@ def test_glm45v_layers_get_the_text_positions_only_through_the_hooks(hooked: boo
     with torch.no_grad():
         model(input_ids=torch.tensor([[5, 6, 7, 8, 9, 10, 11]]), position_ids=torch.cat([text[None], rope]))
     assert torch.equal(seen[0], text) if hooked else seen[0].shape == (3, 1, 7)
+
+
+def test_checkpoint_sources_follow_transformers_renames_and_expert_merges() -> None:
+    from transformers import AutoModelForCausalLM
+
+    from rlray.data.tokenizer import char_tokenizer
+    from rlray.parallel.hf import checkpoint_sources
+
+    tok = char_tokenizer()
+
+    def meta(arch: str) -> torch.nn.Module:
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(tiny.tiny_architecture(ModelConfig(arch=arch, num_layers=2), len(tok), tok))
+
+    experts = lambda prefix, part: [f"{prefix}.{e}.{part}.weight" for e in range(4)]
+    nemotron = ["backbone.embeddings.weight", "lm_head.weight", *experts("backbone.layers.1.mixer.experts", "up_proj"),
+                *experts("backbone.layers.1.mixer.experts", "down_proj")]
+    renamed, merged = checkpoint_sources(meta("nemotron_h"), reversed(nemotron))
+    assert renamed == {"model.embeddings.weight": "backbone.embeddings.weight"}  # lm_head keeps its name
+    assert merged == {"model.layers.1.mixer.experts.up_proj": [experts("backbone.layers.1.mixer.experts", "up_proj")],
+                      "model.layers.1.mixer.experts.down_proj": [experts("backbone.layers.1.mixer.experts", "down_proj")]}
+    qwen = [*experts("model.layers.0.mlp.experts", "gate_proj"), *experts("model.layers.0.mlp.experts", "up_proj"),
+            "model.layers.0.mlp.experts.gate_up_proj"]  # a fused tensor under its own name is read as it is
+    renamed, merged = checkpoint_sources(meta("qwen3_moe"), qwen)
+    assert renamed == {} and merged == {"model.layers.0.mlp.experts.gate_up_proj": [
+        experts("model.layers.0.mlp.experts", "gate_proj"), experts("model.layers.0.mlp.experts", "up_proj")]}

@@ -36,16 +36,17 @@ def meta_model(arch: str) -> torch.nn.Module:
         return AutoModelForCausalLM.from_config(tiny_architecture(ModelConfig(arch=arch, num_layers=2), len(tok), tok))
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe", "glm4_moe"])
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe", "glm4_moe", "nemotron_h"])
 def test_default_targets_are_attention_and_dense_mlps_never_experts(arch: str) -> None:
     model = meta_model(arch)
     targets = apply_lora(model, LoraConfig(rank=4))
     leaves = {t.rpartition(".")[2] for t in targets}
     assert {"q_proj", "k_proj", "v_proj", "o_proj"} <= leaves
     assert not any(".experts" in t for t in targets), targets
-    assert ("gate_proj" in leaves) == (arch != "qwen3_moe")  # GLM: its dense first layer and shared experts
-    if arch == "glm4_moe":
+    assert ("gate_proj" in leaves) == (arch in ("qwen3", "glm4_moe"))  # GLM: its dense first layer and shared experts
+    if arch in ("glm4_moe", "nemotron_h"):  # Nemotron-H: the shared experts' up/down (its experts have no gate)
         assert any(".shared_experts." in t for t in targets)
+    assert not leaves & {"in_proj", "out_proj"}  # Nemotron-H's Mamba projections: not a default target
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
     assert trainable and all(is_adapter(n) for n in trainable)
     assert adapted_modules(model) == targets

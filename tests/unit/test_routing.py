@@ -20,17 +20,35 @@ MODELS = {"qwen3_moe": ModelConfig(arch="qwen3_moe", seed=8, **SHAPE),
           "glm4_moe": ModelConfig(arch="glm4_moe", seed=9, **SHAPE),
           # vision-language, on text tokens (Qwen3-VL-MoE's experts must not be square: see rlray.models.vision)
           "qwen3_vl_moe": ModelConfig(arch="qwen3_vl_moe", seed=8, **{**SHAPE, "moe_intermediate_size": 8}),
-          "glm4v_moe": ModelConfig(arch="glm4v_moe", seed=9, **SHAPE)}
+          "glm4v_moe": ModelConfig(arch="glm4v_moe", seed=9, **SHAPE),
+          "nemotron_h": ModelConfig(arch="nemotron_h", seed=9, **SHAPE),  # Mamba, MoE, attention, MoE layers
+          "gpt_oss": ModelConfig(arch="gpt_oss", seed=10, **SHAPE)}  # its router is `.router`, a Linear with a bias
 
 
 def hand_weights(router: torch.nn.Module, hidden: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
     """The routing weights of `experts` as the model card defines them, written out by hand."""
     logits = hidden.float() @ router.weight.float().T
-    if hasattr(router, "e_score_correction_bias"):  # GLM-4.5: sigmoid scores, no bias in the weights
+    if type(router).__name__ == "GptOssTopKRouter":  # gpt-oss: its bias in the logits, a softmax over the top-k
+        return (logits + router.bias).gather(1, experts).softmax(-1)
+    if hasattr(router, "e_score_correction_bias"):  # GLM-4.5, Nemotron-H: sigmoid scores, no bias in the weights
         w = logits.sigmoid().gather(1, experts)
         return w / (w.sum(-1, keepdim=True) + 1e-20) * router.routed_scaling_factor
     w = logits.softmax(-1).gather(1, experts)  # Qwen3-MoE: softmax, renormalised over the top-k if configured
     return w / w.sum(-1, keepdim=True) if getattr(router, "norm_topk_prob", True) else w  # Qwen3-VL-MoE: always
+
+
+@torch.no_grad()
+def with_choice_bias(model: torch.nn.Module) -> torch.nn.Module:
+    """Sigmoid routers (GLM-4.5, Nemotron-H) with a choice bias and a scaling off their defaults (0, 1), as
+    trained checkpoints have them (Nemotron-3-Nano scales by 2.5), so that both count."""
+    for i, router in enumerate(moe_routers(model)):
+        if hasattr(router, "e_score_correction_bias"):
+            bias = torch.randn(router.num_experts, generator=torch.Generator().manual_seed(i))
+            router.e_score_correction_bias.copy_(bias)
+            router.routed_scaling_factor = 2.5
+        if isinstance(getattr(router, "bias", None), torch.Tensor):  # gpt-oss's logits' bias, off its small init
+            router.bias.copy_(torch.randn(router.num_experts, generator=torch.Generator().manual_seed(i)))
+    return model
 
 
 @pytest.mark.parametrize("arch", list(MODELS))
@@ -38,7 +56,7 @@ def test_replay_routes_given_tokens_to_given_experts(arch: str) -> None:
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     auto = AutoModelForImageTextToText if arch in VISION_ARCHS else AutoModelForCausalLM
-    model = auto.from_pretrained(model_path(MODELS[arch]), dtype=torch.float32)
+    model = with_choice_bias(auto.from_pretrained(model_path(MODELS[arch]), dtype=torch.float32))
     model.gradient_checkpointing_enable()
     model.train()
     routers, experts = moe_routers(model), [m for _, m in moe_experts(model)]
@@ -91,3 +109,23 @@ def test_replay_off_leaves_routing_alone_and_measures_agreement() -> None:
     torch.testing.assert_close(again, plain)
     assert measure.agreement() == (2 * 12 - 3, 2 * 12)
     assert measure.agreement() == (0, 0)  # read and reset
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "glm4_moe", "nemotron_h", "gpt_oss"])
+def test_replaying_the_routers_own_choice_changes_no_bit(arch: str) -> None:
+    """An engine that routed as the trainer's routers do (agreement 1.0): the replayed forward is the plain one."""
+    from transformers import AutoModelForCausalLM
+
+    model = with_choice_bias(AutoModelForCausalLM.from_pretrained(model_path(MODELS[arch]), dtype=torch.float32))
+    ids = torch.randint(4, 40, (2, 11), generator=torch.Generator().manual_seed(2))
+    own: list[torch.Tensor] = []
+    routers = moe_routers(model)
+    for r in routers:
+        r.register_forward_hook(lambda _m, _a, out: own.append(out[2]))
+    with torch.no_grad():
+        plain = model(input_ids=ids).logits
+        replay = RouterReplay(model, replay=True)
+        with replay.routing(torch.stack(own, 1).clone()):
+            again = model(input_ids=ids).logits
+    assert torch.equal(again, plain)
+    assert replay.agreement() == (ids.numel() * len(routers),) * 2
