@@ -184,11 +184,13 @@ class Engine:
             kwargs["enable_return_routed_experts"] = not current_platform.is_cpu()  # vLLM's own, V2 runner
         if lora_rank:
             from rlray.weightsync.lora import engine_args
-            from rlray.weightsync.protocol import IPC_LORA, NCCL_LORA
 
             kwargs.update(engine_args(lora_rank))
-            if weights_backend in ("nccl", "ipc"):  # vLLM's own engine, keeping adapter updates
-                kwargs["weight_transfer_config"] = {"backend": NCCL_LORA if weights_backend == "nccl" else IPC_LORA}
+        if weights_backend in ("nccl", "ipc") and (lora_rank or _reloads_after(model_path)):
+            from rlray.weightsync.protocol import IPC_LORA, NCCL_LORA
+
+            # vLLM's own engine, keeping adapter updates and loading its bare copies again (rlray.weightsync.reload)
+            kwargs["weight_transfer_config"] = {"backend": NCCL_LORA if weights_backend == "nccl" else IPC_LORA}
         kwargs.update(engine_kwargs or {})
         with one_process(kwargs):
             llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
@@ -407,3 +409,11 @@ def _append_delta(sample: Completion, completion: Any, version: int) -> None:
     sample.versions.extend([version] * len(ids))
     if completion.finish_reason is not None:
         sample.finish_reason = str(completion.finish_reason)
+
+
+def _reloads_after(model_path: str) -> bool:
+    """Whether the model's family has tensors its vLLM loader copies bare (rlray.config.families `reload_after`)."""
+    from rlray.models.load import read_config
+    from rlray.weightsync.reload import reload_after
+
+    return bool(reload_after(read_config(model_path).model_type))

@@ -26,7 +26,8 @@ from typing import Any
 
 import torch
 
-from rlray.models.load import FUSED
+from rlray.config.families import family, known
+from rlray.models.load import EXPERTS, FUSED
 from rlray.models.lora import checkpoint_name, is_adapter, peft_name
 from rlray.models.multimodal import vision_tower
 from rlray.parallel.hf import experts_transposed_on_disk
@@ -39,7 +40,9 @@ class WeightPublisher:
         self.model, self.device, self.rank, self.wire_dtype = model, device, rank, wire_dtype
         self.lora = lora  # the adapters' PEFT config (rlray.models.lora.adapter_config); None: no LoRA
         # a family whose checkpoints hold fused experts transposed is sent so: vLLM's loader reads that layout
-        self.transposed = experts_transposed_on_disk(getattr(getattr(model, "config", None), "model_type", ""))
+        model_type = getattr(getattr(model, "config", None), "model_type", "")
+        self.transposed = experts_transposed_on_disk(model_type)
+        self.per_expert = known(model_type) and family(model_type).send_per_expert
         tower = vision_tower(model) if frozen_tower else None
         self.unsent = {id(p) for p in tower.parameters()} if tower is not None else set()
         self.transfer: Any = None  # this rank's TrainerWeightTransferEngine
@@ -65,7 +68,7 @@ class WeightPublisher:
             for name, p in self._sent():
                 p = p.detach() if dtype is None else p.detach().to(dtype)
                 full = p.full_tensor() if hasattr(p, "full_tensor") else p
-                yield name, full.transpose(1, 2).contiguous() if self._flipped(name) else full
+                yield from self._per_expert(name, full.transpose(1, 2).contiguous() if self._flipped(name) else full)
 
         return on_default_stream(gathered(), self.device)
 
@@ -73,7 +76,18 @@ class WeightPublisher:
         from vllm.distributed.weight_transfer.base import ParamMeta
 
         shape = lambda n, p: (p.shape[0], p.shape[2], p.shape[1]) if self._flipped(n) else tuple(p.shape)
-        return [ParamMeta(n, self.wire_dtype or p.dtype, shape(n, p)) for n, p in self._sent()]
+        return [ParamMeta(n, self.wire_dtype or p.dtype, tuple(t.shape)) for name, p in self._sent()
+                for n, t in self._per_expert(name, torch.empty(shape(name, p), device="meta"))]
+
+    def _per_expert(self, name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+        """A fused experts tensor (biases too) as one tensor per expert, `experts.<e>.<param>`, for a family whose
+        vLLM loader keeps only those (rlray.config.families `send_per_expert`); anything else as it is."""
+        fused = EXPERTS.match(name) if self.per_expert else None
+        if fused is None:
+            yield name, tensor
+            return
+        for e in range(tensor.shape[0]):
+            yield f"{fused['prefix']}.{e}.{fused['param']}", tensor[e]
 
     def _flipped(self, name: str) -> bool:
         return self.transposed and FUSED.match(name) is not None

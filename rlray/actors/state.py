@@ -49,6 +49,7 @@ from rlray.models.lora import (
     merged_tensors,
 )
 from rlray.models.multimodal import is_vision
+from rlray.parallel.hf import save_pretrained
 
 BASE = "lora_base"  # beside the checkpoints: the base SFT trained, for LoRA runs
 
@@ -206,7 +207,7 @@ def export_hf(learner: Learner, path: str, rank: int, tokenizer_from: str, merge
             _write_adapter(out / "adapter", adapter_tensors(full), adapter_config(lora, adapted_modules(model), base))
             tokenizer.save_pretrained(out / "adapter")
         for folder, tensors in folders.items():
-            model.save_pretrained(folder, state_dict=tensors)
+            save_pretrained(model, folder, tensors)  # under the checkpoint's names, as transformers writes them
             to_checkpoint_layout(folder)
             tokenizer.save_pretrained(folder)
     dist.barrier()

@@ -72,6 +72,7 @@ from vllm.distributed.weight_transfer.base import (
 from rlray.weightsync.delta import apply_delta, delta_tensors, positions_first
 from rlray.weightsync.handover import handover_bytes
 from rlray.weightsync.lora import AdapterUpdates
+from rlray.weightsync.reload import KeepsBareCopies
 from rlray.weightsync.transport import (
     BUCKET_BYTES,
     SHM_BUCKET_BYTES,
@@ -206,7 +207,7 @@ class GlooWeightEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo]):
             self.receiver = None
 
 
-class GlooWeightTransferEngine(AdapterUpdates, GlooWeightEngine):
+class GlooWeightTransferEngine(AdapterUpdates, KeepsBareCopies, GlooWeightEngine):
     """The gloo engine vLLM builds ("gloo"): base weights, and LoRA adapters kept (AdapterUpdates)."""
 
 

@@ -43,6 +43,7 @@ from vllm.distributed.weight_transfer.base import (
 
 from rlray.weightsync.lora import AdapterUpdates
 from rlray.weightsync.protocol import GlooWeightEngine
+from rlray.weightsync.reload import KeepsBareCopies
 from rlray.weightsync.transport import (
     SHM_BUCKET_BYTES,
     Bucket,
@@ -122,7 +123,7 @@ class ShmWeightEngine(GlooWeightEngine):
         self.mapped = None
 
 
-class ShmWeightTransferEngine(AdapterUpdates, ShmWeightEngine):
+class ShmWeightTransferEngine(AdapterUpdates, KeepsBareCopies, ShmWeightEngine):
     """The shm engine vLLM builds ("shm"): base weights, and LoRA adapters kept (AdapterUpdates)."""
 
 
