@@ -5,7 +5,8 @@ Contract:
 - `start()` builds the engine (one vLLM adapter: rlray.actors.engine.Engine), serves it through vLLM's
   own OpenAI server on `env.server_host` (rlray.actors.server; `endpoint()` returns its base URL) and
   loads the environments of `env` (id or weighted mix, rlray.envs) into an `EnvRunner`. An MoE
-  model's engine captures its routing, so every rollout carries it (`Rollout.routing`).
+  model's engine captures its routing, so every rollout carries it (`Rollout.routing`). An engine of an MXFP4
+  checkpoint (gpt-oss's) starts in bf16 with dummy weights, which the first sync fills (rlray.models.quantized).
 - `run(buffer)` loops until `stop()`: reserves group tickets from the buffer (which
   bounds how far ahead of the trainer rollouts may run), takes each ticket's environment,
   row and sampling seed (`EnvRunner.train_row`, a function of the ticket), runs `group_size`
@@ -49,6 +50,7 @@ from rlray.envs import V1Env, load_envs
 from rlray.envs.images import vision_prompt
 from rlray.envs.v1 import specs as v1_specs
 from rlray.models.multimodal import is_vision
+from rlray.models.quantized import engine_route
 from rlray.models.tiny import model_path
 from rlray.parallel.dims import num_experts
 from rlray.types import Group
@@ -130,8 +132,9 @@ class RolloutActor:
         self.engine = await Engine.create(path, max_model_len=self.cfg.max_model_len, seed=self.seed + self.index,
                                           kv_cache_fraction=self.cfg.kv_cache_fraction,
                                           weights_backend=self.weights_backend,
-                                          engine_kwargs=self._engine_kwargs(vision is not None,
-                                                                            recurrent(hf_config.model_type)),
+                                          engine_kwargs={**engine_route(hf_config),  # MXFP4: bf16, the sync fills it
+                                                         **self._engine_kwargs(vision is not None,
+                                                                               recurrent(hf_config.model_type))},
                                           capture_routing=num_experts(hf_config) > 0,
                                           lora_rank=self.lora_rank)
         parser = self.env_cfg.tool_call_parser

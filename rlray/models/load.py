@@ -15,7 +15,8 @@ what the hub checkpoints and transformers' `save_pretrained` write), each rank r
 Names on disk are read as transformers' `from_pretrained` renames and merges them (its conversion mapping, through
 rlray.parallel.hf.checkpoint_sources: Nemotron-H's checkpoints say `backbone.` for `model.`); a family whose
 checkpoints fuse experts transposed (Qwen3-VL-MoE) is read so, and `to_checkpoint_layout(folder)` writes a saved
-model in that layout.
+model in that layout. gpt-oss's MXFP4 experts are dequantized by the rank that reads them (rlray.models.quantized);
+the model is built, and exported, without the checkpoint's quantization_config.
 `resident_bytes(model)` counts the parameter bytes this rank holds.
 """
 
@@ -38,6 +39,7 @@ from rlray.config.families import expert_params, family, known, moe_attrs
 from rlray.models.attention import PACKED, packed_attention
 from rlray.models.lora import apply_lora, checkpoint_name, init_adapters, is_adapter
 from rlray.models.multimodal import freeze_vision, is_vision
+from rlray.models.quantized import is_mxfp4, read_mxfp4, trainable_config
 from rlray.models.recurrent import reset_per_sequence
 from rlray.parallel import context
 from rlray.parallel.dims import ParallelDims
@@ -98,7 +100,7 @@ def build_model(path: str, dims: ParallelDims, cfg: TrainerConfig, device: torch
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     folder = local_folder(path)
-    config = read_config(str(folder))
+    config = trainable_config(read_config(str(folder)), path)
     dims.check_model(config)
     f = family(config.model_type) if known(config.model_type) else None
     if f is not None and not f.cp and dims.cp_enabled:
@@ -206,6 +208,8 @@ class SafetensorsReader:
             return self.where[key].get_slice(key)[e:e + ne, c:c + nc, r:r + nr].transpose(1, 2)
         if key in self.where:
             return self.where[key].get_slice(key)[_slices(box)]
+        if is_mxfp4(key, self.where):
+            return read_mxfp4(self.where, key, box)
         if name in self.merged:
             return self._per_expert(self.merged[name], box)
         raise KeyError(f"checkpoint has no tensor {name!r} (files: {[p.name for p in self.files]})")

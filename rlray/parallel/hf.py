@@ -43,6 +43,9 @@
   transposed experts), as `from_pretrained` reads them.
 - `all_gather_autograd(x, group)`: torch's functional all-gather along dim 0 whose backward
   returns each rank's share of the gradient (an all-to-all on gloo, which has no reduce-scatter).
+- `dequantize_mxfp4(blocks, scales)`: transformers' own MXFP4 unpacker (`convert_moe_packed_tensors`, what
+  `from_pretrained` runs with `Mxfp4Config(dequantize=True)`): (E, R, G, 16) nibbles and (E, R, G) exponents
+  into fp32 (E, G * 32, R), the layout of gpt-oss's fused experts.
 """
 
 from __future__ import annotations
@@ -212,3 +215,9 @@ def save_pretrained(model: nn.Module, folder: str, state_dict: dict[str, Tensor]
         model.save_pretrained(folder, state_dict=state_dict)
     finally:
         model.__class__ = wrapped
+
+
+def dequantize_mxfp4(blocks: Tensor, scales: Tensor) -> Tensor:
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    return convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)

