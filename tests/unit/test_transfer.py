@@ -191,3 +191,31 @@ def test_a_cancelled_generate_stays_a_cancellation(vllm_captures: bool) -> None:
     error, rpcs = asyncio.run(main())
     assert error is None, f"the cancellation became {error!r}"
     assert rpcs == ([] if vllm_captures else ["rlray_routing_take"])
+
+
+@pytest.mark.parametrize(("arch", "backend", "expected"), [
+    ("gpt_oss", "nccl", "rlray_nccl"), ("gpt_oss", "ipc", "rlray_ipc"), ("gpt_oss", "gloo", "gloo"),
+    ("qwen3_moe", "nccl", "nccl"), ("qwen3_moe", "ipc", "ipc")])
+def test_gpu_engines_of_a_family_with_bare_copies_take_rlrays_transfer_engine(
+        monkeypatch: pytest.MonkeyPatch, arch: str, backend: str, expected: str) -> None:
+    """What `Engine.create` asks of vLLM (its engine arguments, captured; no engine starts): gpt-oss's sinks are
+    loaded again after each reload (rlray.weightsync.reload) only by rlray's own transfer engines, so a GPU engine
+    of that family takes rlray_nccl / rlray_ipc where others take vLLM's own nccl / ipc."""
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    from rlray.actors.engine import Engine
+    from rlray.config import ModelConfig
+    from rlray.models.tiny import model_path
+
+    seen: list[dict[str, Any]] = []
+
+    def capture(args: Any, **_: Any) -> None:
+        seen.append(args.weight_transfer_config)
+        raise RuntimeError("captured")
+
+    monkeypatch.setattr(AsyncLLM, "from_engine_args", capture)
+    path = model_path(ModelConfig(arch=arch, num_layers=2))
+    with pytest.raises(RuntimeError, match="captured"):
+        asyncio.run(Engine.create(path, max_model_len=64, weights_backend=backend))
+    (config,) = seen
+    assert (getattr(config, "backend", None) or config["backend"]) == expected
