@@ -9,10 +9,27 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
 from rlray.bench.common import free_port
+from rlray.data.packing import Sample, pack
+
+# the trainer tests' tiny twins (tests/dist/test_hybrid_trainer.py, test_sink_trainer.py)
+SHAPE = {"num_layers": 2, "hidden_size": 64, "intermediate_size": 128, "num_heads": 2, "num_kv_heads": 1,
+         "moe_intermediate_size": 32, "init_std": 0.1}
+
+
+def samples() -> list[Sample]:
+    """8 sequences of 3-7 prompt and 2-14 completion tokens, rewards and behaviour logprobs (seeded)."""
+    rng = np.random.default_rng(5)
+    out = []
+    for i in range(8):
+        p, c = rng.integers(4, 40, size=3 + i % 5), rng.integers(4, 40, size=2 + (i * 7) % 13)
+        logp = rng.uniform(-4, -1, len(c)).astype(np.float32)
+        out.append(Sample(p, c, np.ones(len(c), np.float32), float(rng.normal()), logp))
+    return out
 
 
 def _run(rank: int, worker: Callable[..., None], *args: Any) -> None:
@@ -55,3 +72,14 @@ def assert_grads_close(expected: dict[str, np.ndarray], actual: dict[str, np.nda
         scale = max(float(np.abs(g).max()), 1e-12)
         err = float(np.abs(actual[name] - g).max())
         assert err <= rtol * scale, f"{name}: max diff {err:.3g} > {rtol} x {scale:.3g}"
+
+
+def step_sums(t: Any, data: list[Sample], world: int, rank: int, packed: bool) -> dict:
+    """One forward-backward of rank `rank`'s share of `data` (micro-batches of 96 tokens): the mean loss over all
+    ranks, every full gradient and the rows this rank ran (a collective)."""
+    mbs = pack(data, world, micro_batch_tokens=96, pad_id=0, packed=packed)[rank]
+    t.learner.optimizer.zero_grad(set_to_none=True)
+    sums = t.forward_backward(mbs, rl=True)
+    loss = torch.tensor(sums["loss"], dtype=torch.float64)
+    dist.all_reduce(loss)
+    return {"loss": float(loss) / sums["_norm"], "grads": full_grads(t.model), "rows": sum(len(m.input_ids) for m in mbs)}

@@ -25,21 +25,9 @@ from rlray.data.packing import Sample, pack
 from rlray.models.recurrent import switch
 from rlray.models.tiny import model_path
 from rlray.parallel.expert import moe_experts
-from tests.dist.common import assert_grads_close, full_grads, spawn
+from tests.dist.common import SHAPE, assert_grads_close, samples, spawn, step_sums
 
 ARCHS = ("qwen3_5", "qwen3_5_moe", "qwen3_next", "nemotron_h")
-SHAPE = {"num_layers": 2, "hidden_size": 64, "intermediate_size": 128, "num_heads": 2, "num_kv_heads": 1,
-         "moe_intermediate_size": 32, "init_std": 0.1}
-
-
-def samples() -> list[Sample]:
-    rng = np.random.default_rng(5)
-    out = []
-    for i in range(8):
-        p, c = rng.integers(4, 40, size=3 + i % 5), rng.integers(4, 40, size=2 + (i * 7) % 13)
-        logp = rng.uniform(-4, -1, len(c)).astype(np.float32)
-        out.append(Sample(p, c, np.ones(len(c), np.float32), float(rng.normal()), logp))
-    return out
 
 
 @torch.no_grad()
@@ -54,15 +42,6 @@ def reference_logprobs(path: str, sample: Sample) -> np.ndarray:
     return lp.gather(1, torch.tensor(sample.completion_ids)[:, None])[:, 0].numpy()
 
 
-def _step(t, data: list, world: int, rank: int, packed: bool) -> dict:
-    mbs = pack(data, world, micro_batch_tokens=96, pad_id=0, packed=packed)[rank]
-    t.learner.optimizer.zero_grad(set_to_none=True)
-    sums = t.forward_backward(mbs, rl=True)
-    loss = torch.tensor(sums["loss"], dtype=torch.float64)
-    dist.all_reduce(loss)
-    return {"loss": float(loss) / sums["_norm"], "grads": full_grads(t.model), "rows": sum(len(m.input_ids) for m in mbs)}
-
-
 def worker(rank: int, world: int, port: int, out: dict) -> None:
     from rlray.actors.trainer import TrainerActor
 
@@ -74,11 +53,11 @@ def worker(rank: int, world: int, port: int, out: dict) -> None:
         t = TrainerActor(rank, world, f"127.0.0.1:{port}", model, trainer, algo_config(loss="dapo"), "gloo",
                          temperature=0.7)
         t.setup()
-        result = {packed: _step(t, data, world, rank, packed) for packed in (True, False)}
+        result = {packed: step_sums(t, data, world, rank, packed) for packed in (True, False)}
         result["experts"] = [m.num_experts for _, m in moe_experts(t.model)]
         if world == 1:
             switch(t.model, False)
-            result["no reset"] = _step(t, data, world, rank, True)
+            result["no reset"] = step_sums(t, data, world, rank, True)
             switch(t.model, True)
             mb = pack(data, 1, micro_batch_tokens=10_000, pad_id=0)[0][0]  # every sequence in one packed row
             with torch.no_grad():

@@ -28,8 +28,7 @@ from rlray.data.packing import Sample, pack
 from rlray.models.attention import switch_sinks
 from rlray.models.tiny import model_path
 from rlray.parallel.expert import moe_experts
-from tests.dist.common import assert_grads_close, spawn
-from tests.dist.test_hybrid_trainer import SHAPE, _step, samples
+from tests.dist.common import SHAPE, assert_grads_close, samples, spawn, step_sums
 
 WINDOW = 4  # the twin's sliding window (rlray.config.families)
 
@@ -78,7 +77,7 @@ def worker(rank: int, world: int, port: int, out: dict, path: str) -> None:
     t = TrainerActor(rank, world, f"127.0.0.1:{port}", ModelConfig(name=path, seed=7), TrainerConfig(num_ranks=world,
                      ep=world), algo_config(loss="dapo"), "gloo", temperature=0.7)
     t.setup()
-    result = {packed: _step(t, data, world, rank, packed) for packed in (True, False)}
+    result = {packed: step_sums(t, data, world, rank, packed) for packed in (True, False)}
     result["experts"] = [(m.num_experts, m.down_proj_bias.to_local().shape[0]) for _, m in moe_experts(t.model)]
     if world == 1:
         result["scored"] = _scored(t, data)
