@@ -31,6 +31,7 @@ from rlray.actors.engine import Engine
 from rlray.bench.common import EngineClient, LoopThread
 from rlray.config import ModelConfig, TrainerConfig
 from rlray.config.families import family
+from rlray.data.packing import Sample, pack
 from rlray.weightsync.transport import TrainerSpec
 
 pytest.importorskip("vllm")
@@ -67,6 +68,38 @@ def full(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone() for n, p in model.named_parameters()}
 
 
+def engine_in_group(loop_thread: LoopThread, actor: object, path: Path, kwargs: dict, routed: bool) -> Engine:
+    """An engine of `path` in trainer `actor`'s weight group (gloo)."""
+    eng = loop_thread.run(Engine.create(str(path), max_model_len=256, seed=0, engine_kwargs=kwargs,
+                                        capture_routing=routed), timeout=300)
+    actor.init_weight_group(TrainerSpec("gloo", "127.0.0.1", 0, 1 + eng.workers(), None, 60.0),  # type: ignore[attr-defined]
+                            EngineClient(loop_thread, [eng], timeout_s=60.0))
+    return eng
+
+
+def sampled(loop_thread: LoopThread, eng: Engine, text: str, max_tokens: int) -> tuple[list[int], list[int], Sample]:
+    """One completion of the prompt `text` (seeded, temperature 1): the prompt, the completion, and it as a Sample."""
+    from rlray.data.tokenizer import char_tokenizer
+
+    tok = char_tokenizer()
+    prompt = [tok.bos_token_id, *tok(text, add_special_tokens=False)["input_ids"]]
+    (s,) = loop_thread.run(eng.generate(prompt, n=1, temperature=1.0, max_tokens=max_tokens, seed=1, ignore_eos=True))
+    n = len(s.completion_ids)
+    sample = Sample(np.asarray(prompt), np.asarray(s.completion_ids), np.ones(n, np.float32), 1.0,
+                    np.asarray(s.logprobs, np.float32), routing=s.routing)
+    return prompt, list(s.completion_ids), sample
+
+
+def close(loop_thread: LoopThread, actor: object, eng: Engine | None) -> None:
+    import torch.distributed as dist
+
+    if eng is not None:
+        actor.close_weight_group()  # type: ignore[attr-defined]
+        loop_thread.run(eng.shutdown_weight_transfer(), timeout=30)
+        loop_thread.run(eng.shutdown(), timeout=60)
+    dist.destroy_process_group()
+
+
 def engine_kwargs(arch: str) -> dict:
     """What the rollout actor asks of a CPU engine for the family (rlray.actors.rollout): no chunked prefill, so no
     prefix caching for a recurrent one (vLLM gives it one only with chunked prefill)."""
@@ -77,15 +110,12 @@ def engine_kwargs(arch: str) -> dict:
 
 @pytest.mark.parametrize("arch", list(TWINS))
 def test_hybrid_exported_served_synced_and_routed(loop_thread: LoopThread, tmp_path: Path, arch: str) -> None:
-    import torch.distributed as dist
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
     from rlray.actors.trainer import TrainerActor
     from rlray.algo.loss import algo_config
     from rlray.data.layout import model_inputs
-    from rlray.data.packing import Sample, pack
-    from rlray.data.tokenizer import char_tokenizer
     from rlray.models.tiny import model_path
 
     cfg, kwargs = TWINS[arch], engine_kwargs(arch)
@@ -102,16 +132,8 @@ def test_hybrid_exported_served_synced_and_routed(loop_thread: LoopThread, tmp_p
         theirs, ours = load_file(str(next(source.glob("*.safetensors")))), load_file(str(next(export.glob("*.safetensors"))))
         assert theirs.keys() == ours.keys() and all(torch.equal(theirs[k], ours[k]) for k in theirs)
         AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32)  # transformers loads it
-        eng = loop_thread.run(Engine.create(str(export), max_model_len=256, seed=0, engine_kwargs=kwargs,
-                                            capture_routing=moe), timeout=300)
-        actor.init_weight_group(TrainerSpec("gloo", "127.0.0.1", 0, 1 + eng.workers(), None, 60.0),
-                                EngineClient(loop_thread, [eng], timeout_s=60.0))
-        tok = char_tokenizer()
-        prompt = [tok.bos_token_id, *tok("rev:hybrid=", add_special_tokens=False)["input_ids"]]
-        (s,) = loop_thread.run(eng.generate(prompt, n=1, temperature=1.0, max_tokens=24, seed=1, ignore_eos=True))
-        n = len(s.completion_ids)
-        sample = Sample(np.asarray(prompt), np.asarray(s.completion_ids), np.ones(n, np.float32), 1.0,
-                        np.asarray(s.logprobs, np.float32), routing=s.routing)
+        eng = engine_in_group(loop_thread, actor, export, kwargs, moe)
+        prompt, completion, sample = sampled(loop_thread, eng, "rev:hybrid=", 24)
 
         def gap(engine_lp: list[float]) -> float:
             """fp32: the largest |logprob| difference; bf16: the mismatch KL."""
@@ -122,8 +144,8 @@ def test_hybrid_exported_served_synced_and_routed(loop_thread: LoopThread, tmp_p
                 return mismatch(lp, engine_lp)
             return float((lp.double() - torch.tensor(engine_lp, dtype=torch.float64)).abs().max())
 
-        score = lambda: loop_thread.run(eng.score(prompt + s.completion_ids, len(prompt)))
-        served = gap(s.logprobs)  # the engine started from the export, before any sync
+        score = lambda: loop_thread.run(eng.score(prompt + completion, len(prompt)))
+        served = gap(list(sample.logprobs))  # the engine started from the export, before any sync
         actor.broadcast_weights(1)
         synced = gap(score())
         before = full(actor.learner.model)
@@ -140,14 +162,10 @@ def test_hybrid_exported_served_synced_and_routed(loop_thread: LoopThread, tmp_p
         bound = EQUAL if fp32 else BUDGET
         assert max(served, synced, resynced) < bound < stepped, (served, synced, stepped, resynced)
         if moe:
-            assert s.routing is not None and s.routing.shape[1:] == (2, cfg.experts_per_token)
+            assert sample.routing is not None and sample.routing.shape[1:] == (2, cfg.experts_per_token)
             assert stats["router_agreement"] == 1.0 if fp32 else stats["router_agreement"] > 0.9, stats
     finally:
-        if eng is not None:
-            actor.close_weight_group()
-            loop_thread.run(eng.shutdown_weight_transfer(), timeout=30)
-            loop_thread.run(eng.shutdown(), timeout=60)
-        dist.destroy_process_group()
+        close(loop_thread, actor, eng)
 
 
 def test_an_mxfp4_checkpoint_trains_dequantized_and_its_engine_takes_the_first_sync(loop_thread: LoopThread,
@@ -158,14 +176,11 @@ def test_an_mxfp4_checkpoint_trains_dequantized_and_its_engine_takes_the_first_s
     dummy weights) equals the trainer once the first sync has filled it, and not before."""
     import json
 
-    import torch.distributed as dist
     from safetensors.torch import load_file
 
     from rlray.actors.trainer import TrainerActor
     from rlray.algo.loss import algo_config
     from rlray.data.layout import model_inputs
-    from rlray.data.packing import Sample, pack
-    from rlray.data.tokenizer import char_tokenizer
     from rlray.models.load import read_config
     from rlray.models.quantized import engine_route
     from rlray.models.tiny import model_path
@@ -187,27 +202,16 @@ def test_an_mxfp4_checkpoint_trains_dequantized_and_its_engine_takes_the_first_s
         assert "quantization_config" not in json.loads((tmp_path / "hf" / "config.json").read_text())
         assert exported.keys() == reference.keys() and all(torch.equal(exported[k], reference[k]) for k in reference)
         kwargs = {**engine_route(read_config(str(folder))), **engine_kwargs("gpt_oss")}
-        eng = loop_thread.run(Engine.create(str(folder), max_model_len=256, seed=0, engine_kwargs=kwargs,
-                                            capture_routing=True), timeout=300)
-        actor.init_weight_group(TrainerSpec("gloo", "127.0.0.1", 0, 1 + eng.workers(), None, 60.0),
-                                EngineClient(loop_thread, [eng], timeout_s=60.0))
-        tok = char_tokenizer()
-        prompt = [tok.bos_token_id, *tok("rev:mxfp4=", add_special_tokens=False)["input_ids"]]
-        (s,) = loop_thread.run(eng.generate(prompt, n=1, temperature=1.0, max_tokens=16, seed=1, ignore_eos=True))
-        sample = Sample(np.asarray(prompt), np.asarray(s.completion_ids), np.ones(len(s.completion_ids), np.float32),
-                        1.0, np.asarray(s.logprobs, np.float32))
+        eng = engine_in_group(loop_thread, actor, folder, kwargs, True)
+        prompt, completion, sample = sampled(loop_thread, eng, "rev:mxfp4=", 16)
         with torch.no_grad():
             mb = pack([sample], 1, micro_batch_tokens=4096, pad_id=0)[0][0]
             ours = actor.learner._token_logprobs(model_inputs(mb, actor.device), 1.0)[0, len(prompt):len(sample)].double()
         gap = lambda lp: float((ours - torch.tensor(lp, dtype=torch.float64)).abs().max())
-        dummy = gap(s.logprobs)
+        dummy = gap(list(sample.logprobs))
         actor.broadcast_weights(1)
-        synced = gap(loop_thread.run(eng.score(prompt + s.completion_ids, len(prompt))))
+        synced = gap(loop_thread.run(eng.score(prompt + completion, len(prompt))))
         print(f"mxfp4 gpt-oss: max |logprob gap| with dummy weights {dummy:.2e}, after the first sync {synced:.2e}")
         assert synced < EQUAL < dummy, (dummy, synced)
     finally:
-        if eng is not None:
-            actor.close_weight_group()
-            loop_thread.run(eng.shutdown_weight_transfer(), timeout=30)
-            loop_thread.run(eng.shutdown(), timeout=60)
-        dist.destroy_process_group()
+        close(loop_thread, actor, eng)
