@@ -43,6 +43,7 @@ class WeightPublisher:
         model_type = getattr(getattr(model, "config", None), "model_type", "")
         self.transposed = experts_transposed_on_disk(model_type)
         self.per_expert = known(model_type) and family(model_type).send_per_expert
+        self.expert_names = family(model_type).expert_names if self.per_expert else {}
         tower = vision_tower(model) if frozen_tower else None
         self.unsent = {id(p) for p in tower.parameters()} if tower is not None else set()
         self.transfer: Any = None  # this rank's TrainerWeightTransferEngine
@@ -80,14 +81,17 @@ class WeightPublisher:
                 for n, t in self._per_expert(name, torch.empty(shape(name, p), device="meta"))]
 
     def _per_expert(self, name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
-        """A fused experts tensor (biases too) as one tensor per expert, `experts.<e>.<param>`, for a family whose
-        vLLM loader keeps only those (rlray.config.families `send_per_expert`); anything else as it is."""
+        """A fused experts tensor (biases too) as one tensor per expert, `experts.<e>.<param>` or, its rows split,
+        under the family's per-expert names (`experts.<e>.gate_proj.weight`, ...), for a family whose vLLM loader
+        keeps only those (rlray.config.families `send_per_expert`, `expert_names`); anything else as it is."""
         fused = EXPERTS.match(name) if self.per_expert else None
         if fused is None:
             yield name, tensor
             return
+        names = self.expert_names.get(fused["param"], (fused["param"],))
         for e in range(tensor.shape[0]):
-            yield f"{fused['prefix']}.{e}.{fused['param']}", tensor[e]
+            for part, piece in zip(names, tensor[e].chunk(len(names)), strict=True):
+                yield f"{fused['prefix']}.{e}.{part}", piece
 
     def _flipped(self, name: str) -> bool:
         return self.transposed and FUSED.match(name) is not None

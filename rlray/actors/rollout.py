@@ -45,7 +45,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 from rlray.config import EnvConfig, ModelConfig, RolloutConfig, engine_workers
-from rlray.config.families import recurrent
+from rlray.config.families import family, known, recurrent
 from rlray.envs import V1Env, load_envs
 from rlray.envs.images import vision_prompt
 from rlray.envs.v1 import specs as v1_specs
@@ -134,7 +134,7 @@ class RolloutActor:
                                           weights_backend=self.weights_backend,
                                           engine_kwargs={**engine_route(hf_config),  # MXFP4: bf16, the sync fills it
                                                          **self._engine_kwargs(vision is not None,
-                                                                               recurrent(hf_config.model_type))},
+                                                                               hf_config.model_type)},
                                           capture_routing=num_experts(hf_config) > 0,
                                           lora_rank=self.lora_rank)
         parser = self.env_cfg.tool_call_parser
@@ -165,7 +165,7 @@ class RolloutActor:
                 env.actor = self.v1_actor
         return envs
 
-    def _engine_kwargs(self, vision: bool = False, recurrent: bool = False) -> dict[str, Any]:
+    def _engine_kwargs(self, vision: bool = False, model_type: str | None = None) -> dict[str, Any]:
         kwargs: dict[str, Any] = {"dtype": self.cfg.dtype, "enforce_eager": self.cfg.enforce_eager,
                                   "tensor_parallel_size": self.cfg.tensor_parallel_size,
                                   "data_parallel_size": self.cfg.data_parallel_size}
@@ -184,8 +184,10 @@ class RolloutActor:
             # recompute after a weight update) makes the worker call Generator.set_offset, which CPU
             # generators lack ("CPU Generator does not use offset"), and the engine dies.
             kwargs["enable_chunked_prefill"] = False
-            if recurrent:  # vLLM caches a recurrent model's prefixes only with chunked prefill ('align' mode)
+            if recurrent(model_type):  # vLLM caches a recurrent model's prefixes only with chunked prefill ('align')
                 kwargs["enable_prefix_caching"] = False
+            if known(model_type):
+                kwargs.update(family(model_type).cpu_engine)
         if self.cfg.kv_cache_gb > 0:
             kwargs["kv_cache_memory_bytes"] = int(self.cfg.kv_cache_gb * 2**30)
         if vision:

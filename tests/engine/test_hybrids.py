@@ -44,9 +44,14 @@ EQUAL = 1e-5
 TWINS = {arch: ModelConfig(arch=arch, num_layers=2, intermediate_size=128, moe_intermediate_size=32, seed=4)
          for arch in ("qwen3_5", "qwen3_5_moe", "qwen3_next", "gpt_oss")}
 TWINS["nemotron_h"] = ModelConfig(arch="nemotron_h", num_layers=2, num_experts=0, seed=4)
+# a wider init: at 0.02 every token of the tiny DeepSeek-V3 takes the same group and experts
+TWINS["deepseek_v3"] = ModelConfig(arch="deepseek_v3", num_layers=2, intermediate_size=128, moe_intermediate_size=32,
+                                   seed=4, init_std=0.1)
 # what each RL step must move (gathered: FSDP shards them); the sync must then bring the engine back
 MOVED = {"gpt_oss": (".sinks", "experts.gate_up_proj", "experts.down_proj_bias", "router.bias"),
-         "nemotron_h": ("mixer.A_log", "mixer.conv1d.weight", "mixer.in_proj.weight")}
+         "nemotron_h": ("mixer.A_log", "mixer.conv1d.weight", "mixer.in_proj.weight"),
+         "deepseek_v3": ("q_a_proj.weight", "kv_a_proj_with_mqa.weight", "kv_b_proj.weight", "experts.gate_up_proj",
+                         "shared_experts.up_proj.weight")}
 
 
 @pytest.fixture(scope="module")
@@ -105,7 +110,7 @@ def engine_kwargs(arch: str) -> dict:
     prefix caching for a recurrent one (vLLM gives it one only with chunked prefill)."""
     f = family(arch)
     return {"dtype": f.cpu_dtype or "float32", "enforce_eager": True, "kv_cache_memory_bytes": 64 << 20,
-            "enable_chunked_prefill": False, "enable_prefix_caching": f.recurrent is None}
+            "enable_chunked_prefill": False, "enable_prefix_caching": f.recurrent is None, **f.cpu_engine}
 
 
 @pytest.mark.parametrize("arch", list(TWINS))
@@ -117,6 +122,7 @@ def test_hybrid_exported_served_synced_and_routed(loop_thread: LoopThread, tmp_p
     from rlray.algo.loss import algo_config
     from rlray.data.layout import model_inputs
     from rlray.models.tiny import model_path
+    from rlray.parallel.routing import moe_routers
 
     cfg, kwargs = TWINS[arch], engine_kwargs(arch)
     moe, fp32 = family(arch).moe is not None and cfg.num_experts > 0, kwargs["dtype"] == "float32"
@@ -162,7 +168,9 @@ def test_hybrid_exported_served_synced_and_routed(loop_thread: LoopThread, tmp_p
         bound = EQUAL if fp32 else BUDGET
         assert max(served, synced, resynced) < bound < stepped, (served, synced, stepped, resynced)
         if moe:
-            assert sample.routing is not None and sample.routing.shape[1:] == (2, cfg.experts_per_token)
+            layers = len(moe_routers(actor.learner.model))  # DeepSeek-V3's first layer is dense
+            assert sample.routing is not None and sample.routing.shape[1:] == (layers, cfg.experts_per_token)
+            assert len({tuple(sorted(r)) for r in sample.routing[:-1, 0]}) > 1, sample.routing  # tokens route apart
             assert stats["router_agreement"] == 1.0 if fp32 else stats["router_agreement"] > 0.9, stats
     finally:
         close(loop_thread, actor, eng)

