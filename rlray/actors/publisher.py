@@ -4,7 +4,8 @@ Contract: `WeightPublisher(model, device, rank, wire_dtype, lora, frozen_tower)`
 rank's trainer engine (rlray.weightsync.protocol; `client` is a VLLMWeightSyncClient over the
 engines, driven by rank 0); `publish(version)` is one sync, a collective of every rank: each
 gathers one full parameter at a time (dense and EP/FSDP-sharded experts alike), cast first to
-`wire_dtype` (the engines' dtype: bf16 halves the bytes) and on the default CUDA stream whatever
+`wire_dtype` (the engines' dtype: bf16 halves the bytes; the routers' persistent correction biases keep theirs, as
+vLLM does) and on the default CUDA stream whatever
 stream the sender pulls from (rlray.weightsync.transport.on_default_stream); rank 0 sends them and
 drives the engines' start, update and finish, labelled `version`. Returns the seconds and, on
 rank 0, the bytes sent. With LoRA (`lora`, the adapters' PEFT config) an RL sync moves only the
@@ -46,14 +47,19 @@ class WeightPublisher:
         self.expert_names = family(model_type).expert_names if self.per_expert else {}
         tower = vision_tower(model) if frozen_tower else None
         self.unsent = {id(p) for p in tower.parameters()} if tower is not None else set()
+        persistent = set(model.state_dict())
+        self.buffers = [(n, b) for n, b in model.named_buffers() if n in persistent and b.is_floating_point()]
+        self.kept_dtype = {id(b) for _, b in self.buffers}  # sent in their own dtype (fp32 routing biases)
         self.transfer: Any = None  # this rank's TrainerWeightTransferEngine
         self.client: Any = None
         self.stage = "rl"  # with LoRA, RL syncs move the adapters; SFT's the base it trains
         self.adapters = False  # what the sync in progress moves: the adapters, or the (base) weights
         self.base_synced = False  # the engines of this weight group hold the trainer's base
 
-    def _sent(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
-        """(name on the wire, parameter) of what the sync in progress moves."""
+    def _sent(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name on the wire, parameter or buffer) of what the sync in progress moves: with the weights, the
+        persistent buffers a checkpoint holds (the routers' `e_score_correction_bias`: an engine started from dummy
+        weights, rlray.models.quantized.engine_route, has nothing else to take them from)."""
         for name, p in self.model.named_parameters():
             if id(p) in self.unsent:
                 continue
@@ -61,13 +67,15 @@ class WeightPublisher:
                 yield name, p
             elif is_adapter(name) == self.adapters:  # the engines know PEFT's names and the checkpoint's
                 yield (peft_name(name) if self.adapters else checkpoint_name(name)), p
+        if not self.adapters:
+            yield from ((checkpoint_name(n) if self.lora else n, b) for n, b in self.buffers)
 
     def full_params(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """One full parameter at a time, in `dtype` (cast before the gather), gathered on the default stream."""
 
         def gathered() -> Iterator[tuple[str, torch.Tensor]]:
             for name, p in self._sent():
-                p = p.detach() if dtype is None else p.detach().to(dtype)
+                p = p.detach() if dtype is None or id(p) in self.kept_dtype else p.detach().to(dtype)
                 full = p.full_tensor() if hasattr(p, "full_tensor") else p
                 yield from self._per_expert(name, full.transpose(1, 2).contiguous() if self._flipped(name) else full)
 
@@ -77,7 +85,8 @@ class WeightPublisher:
         from vllm.distributed.weight_transfer.base import ParamMeta
 
         shape = lambda n, p: (p.shape[0], p.shape[2], p.shape[1]) if self._flipped(n) else tuple(p.shape)
-        return [ParamMeta(n, self.wire_dtype or p.dtype, tuple(t.shape)) for name, p in self._sent()
+        wire = lambda p: p.dtype if id(p) in self.kept_dtype else self.wire_dtype or p.dtype
+        return [ParamMeta(n, wire(p), tuple(t.shape)) for name, p in self._sent()
                 for n, t in self._per_expert(name, torch.empty(shape(name, p), device="meta"))]
 
     def _per_expert(self, name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:

@@ -22,7 +22,9 @@ MODELS = {"qwen3_moe": ModelConfig(arch="qwen3_moe", seed=8, **SHAPE),
           "qwen3_vl_moe": ModelConfig(arch="qwen3_vl_moe", seed=8, **{**SHAPE, "moe_intermediate_size": 8}),
           "glm4v_moe": ModelConfig(arch="glm4v_moe", seed=9, **SHAPE),
           "nemotron_h": ModelConfig(arch="nemotron_h", seed=9, **SHAPE),  # Mamba, MoE, attention, MoE layers
-          "gpt_oss": ModelConfig(arch="gpt_oss", seed=10, **SHAPE)}  # its router is `.router`, a Linear with a bias
+          "gpt_oss": ModelConfig(arch="gpt_oss", seed=10, **SHAPE),  # its router is `.router`, a Linear with a bias
+          # a dense first layer; group-limited choice (2 groups of 2 experts, 1 kept), which replay overrides
+          "deepseek_v3": ModelConfig(arch="deepseek_v3", seed=11, **SHAPE)}
 
 
 def hand_weights(router: torch.nn.Module, hidden: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
@@ -30,7 +32,7 @@ def hand_weights(router: torch.nn.Module, hidden: torch.Tensor, experts: torch.T
     logits = hidden.float() @ router.weight.float().T
     if type(router).__name__ == "GptOssTopKRouter":  # gpt-oss: its bias in the logits, a softmax over the top-k
         return (logits + router.bias).gather(1, experts).softmax(-1)
-    if hasattr(router, "e_score_correction_bias"):  # GLM-4.5, Nemotron-H: sigmoid scores, no bias in the weights
+    if hasattr(router, "e_score_correction_bias"):  # GLM-4.5, Nemotron-H, DeepSeek-V3: sigmoid, no bias in the weights
         w = logits.sigmoid().gather(1, experts)
         return w / (w.sum(-1, keepdim=True) + 1e-20) * router.routed_scaling_factor
     w = logits.softmax(-1).gather(1, experts)  # Qwen3-MoE: softmax, renormalised over the top-k if configured
@@ -60,7 +62,7 @@ def test_replay_routes_given_tokens_to_given_experts(arch: str) -> None:
     model.gradient_checkpointing_enable()
     model.train()
     routers, experts = moe_routers(model), [m for _, m in moe_experts(model)]
-    assert len(routers) == len(experts) == (1 if arch.startswith("glm") else 2)
+    assert len(routers) == len(experts) == (1 if arch.startswith(("glm", "deepseek")) else 2)  # a dense first layer
     ids = torch.randint(4, 40, (2, 9), generator=torch.Generator().manual_seed(0))
     rng = np.random.default_rng(0)
     given = torch.tensor(np.stack([[rng.permutation(4)[:2] for _ in routers] for _ in range(ids.numel())]))
@@ -111,7 +113,7 @@ def test_replay_off_leaves_routing_alone_and_measures_agreement() -> None:
     assert measure.agreement() == (0, 0)  # read and reset
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "glm4_moe", "nemotron_h", "gpt_oss"])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "glm4_moe", "nemotron_h", "gpt_oss", "deepseek_v3"])
 def test_replaying_the_routers_own_choice_changes_no_bit(arch: str) -> None:
     """An engine that routed as the trainer's routers do (agreement 1.0): the replayed forward is the plain one."""
     from transformers import AutoModelForCausalLM

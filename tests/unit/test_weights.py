@@ -268,7 +268,8 @@ def test_delta_patches_exactly_what_changed_in_the_wire_dtype() -> None:
 def test_fused_experts_go_under_the_names_the_familys_vllm_loader_takes(arch: str) -> None:
     """DeepSeek-V3's loader knows only `experts.<e>.gate_proj.weight`, `.up_proj.weight` and `.down_proj.weight` (the
     fused (E, 2I, H) rows split in half, gate first: transformers' layout); gpt-oss's takes one fused tensor per
-    expert under its own name; GLM-4.5's the fused tensors whole. The wire holds the trainer's values exactly."""
+    expert under its own name; GLM-4.5's the fused tensors whole. The wire holds the trainer's values (bf16) exactly,
+    and the routers' correction biases in float32."""
     from transformers import AutoModelForCausalLM
 
     from rlray.actors.publisher import WeightPublisher
@@ -279,9 +280,13 @@ def test_fused_experts_go_under_the_names_the_familys_vllm_loader_takes(arch: st
     tok = char_tokenizer()
     hf = tiny_architecture(ModelConfig(arch=arch, num_layers=2, moe_intermediate_size=32), len(tok), tok)
     model = AutoModelForCausalLM.from_config(hf)
-    pub = WeightPublisher(model, torch.device("cpu"), 0, None)
-    sent = dict(pub.full_params())
-    assert {m.name: m.shape for m in pub._wire_meta()} == {n: tuple(t.shape) for n, t in sent.items()}
+    pub = WeightPublisher(model, torch.device("cpu"), 0, torch.bfloat16)
+    sent = dict(pub.full_params(torch.bfloat16))
+    assert {m.name: (m.shape, m.dtype) for m in pub._wire_meta()} == {n: (tuple(t.shape), t.dtype)
+                                                                       for n, t in sent.items()}
+    bias = "model.layers.1.mlp.gate.e_score_correction_bias"  # a persistent buffer: sent, in float32 as vLLM keeps it
+    assert (bias in sent) == (arch != "gpt_oss") and (arch == "gpt_oss" or sent[bias].dtype == torch.float32)
+    model = model.to(torch.bfloat16)
     prefix = "model.layers.1.mlp.experts"
     fused = dict(model.named_parameters())
     gate_up, down = fused[f"{prefix}.gate_up_proj"], fused[f"{prefix}.down_proj"]
