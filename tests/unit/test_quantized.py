@@ -109,6 +109,7 @@ def test_each_rank_reads_and_dequantizes_only_its_box_of_an_fp8_checkpoint(tmp_p
         model = AutoModelForCausalLM.from_config(quantized.trainable_config(read_config(str(folder)), str(folder)))
     experts = lambda e0, ne, part: [f"{EXPERTS}.{e}.{part}.weight" for e in range(e0, e0 + ne)]
     cases: list[tuple[str, Box, list]] = [  # model tensor, a rank's box, what it must read of the checkpoint
+        (KV_A, ((0, 0), (576, 128)), _reads([KV_A], (576, 128), (5, 1))),  # one rank: the whole tensor
         (KV_A, ((100, 10), (470, 100)), _reads([KV_A], (470, 100), (5, 1))),  # rows 100-569: all 5 row blocks
         (KV_A, ((288, 0), (288, 128)), _reads([KV_A], (288, 128), (3, 1))),  # FSDP's second half: from mid-block 2
         ("model.layers.1.self_attn.q_b_proj.weight", ((128, 0), (256, 64)),
