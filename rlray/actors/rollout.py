@@ -6,7 +6,8 @@ Contract:
   own OpenAI server on `env.server_host` (rlray.actors.server; `endpoint()` returns its base URL) and
   loads the environments of `env` (id or weighted mix, rlray.envs) into an `EnvRunner`. An MoE
   model's engine captures its routing, so every rollout carries it (`Rollout.routing`). An engine of an MXFP4
-  checkpoint (gpt-oss's) starts in bf16 with dummy weights, which the first sync fills (rlray.models.quantized).
+  checkpoint (gpt-oss's) or an FP8 one (DeepSeek-V3's, Kimi-K2's) starts in bf16 with dummy weights, which the
+  first sync fills (rlray.models.quantized).
 - `run(buffer)` loops until `stop()`: reserves group tickets from the buffer (which
   bounds how far ahead of the trainer rollouts may run), takes each ticket's environment,
   row and sampling seed (`EnvRunner.train_row`, a function of the ticket), runs `group_size`
@@ -132,7 +133,7 @@ class RolloutActor:
         self.engine = await Engine.create(path, max_model_len=self.cfg.max_model_len, seed=self.seed + self.index,
                                           kv_cache_fraction=self.cfg.kv_cache_fraction,
                                           weights_backend=self.weights_backend,
-                                          engine_kwargs={**engine_route(hf_config),  # MXFP4: bf16, the sync fills it
+                                          engine_kwargs={**engine_route(hf_config),  # MXFP4, FP8: bf16, the sync fills it
                                                          **self._engine_kwargs(vision is not None,
                                                                                hf_config.model_type)},
                                           capture_routing=num_experts(hf_config) > 0,

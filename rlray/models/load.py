@@ -15,8 +15,10 @@ what the hub checkpoints and transformers' `save_pretrained` write), each rank r
 Names on disk are read as transformers' `from_pretrained` renames and merges them (its conversion mapping, through
 rlray.parallel.hf.checkpoint_sources: Nemotron-H's checkpoints say `backbone.` for `model.`); a family whose
 checkpoints fuse experts transposed (Qwen3-VL-MoE) is read so, and `to_checkpoint_layout(folder)` writes a saved
-model in that layout. gpt-oss's MXFP4 experts are dequantized by the rank that reads them (rlray.models.quantized);
-the model is built, and exported, without the checkpoint's quantization_config.
+model in that layout. Quantized weights (gpt-oss's MXFP4 experts; DeepSeek-V3's and Kimi-K2's FP8 linears, their
+per-expert tensors each with its own scales before the merge) are dequantized by the rank that reads them, from
+its slice only (rlray.models.quantized); the model is built, and exported, without the checkpoint's
+quantization_config.
 `resident_bytes(model)` counts the parameter bytes this rank holds.
 """
 
@@ -39,7 +41,15 @@ from rlray.config.families import expert_params, family, known, moe_attrs
 from rlray.models.attention import PACKED, packed_attention
 from rlray.models.lora import apply_lora, checkpoint_name, init_adapters, is_adapter
 from rlray.models.multimodal import freeze_vision, is_vision
-from rlray.models.quantized import is_mxfp4, read_mxfp4, trainable_config
+from rlray.models.quantized import (
+    Box,
+    is_fp8,
+    is_mxfp4,
+    model_tensors,
+    read_fp8,
+    read_mxfp4,
+    trainable_config,
+)
 from rlray.models.recurrent import reset_per_sequence
 from rlray.parallel import context
 from rlray.parallel.dims import ParallelDims
@@ -57,7 +67,6 @@ FUSED = re.compile(rf"^(?P<prefix>.*\.(?:{'|'.join(sorted({e for _, e in moe_att
                    rf"\.(?P<param>{'|'.join(expert_params())})$")
 # any parameter of a fused experts module (weights and biases: every one leads with the expert count)
 EXPERTS = re.compile(rf"^(?P<prefix>.*\.(?:{'|'.join(sorted({e for _, e in moe_attrs()}))}))\.(?P<param>\w+)$")
-Box = tuple[tuple[int, ...], tuple[int, ...]]  # offsets, sizes
 CP_ATTENTION = "rlray_cp"
 FLASH_DTYPES = ("bfloat16", "float16")
 
@@ -187,7 +196,7 @@ class SafetensorsReader:
         for path in self.files:
             with safe_open(str(path), "pt", device="cpu") as handle:
                 keys.extend(handle.keys())
-        self.renamed, self.merged = checkpoint_sources(model, keys)
+        self.renamed, self.merged = checkpoint_sources(model, model_tensors(keys))
         return self
 
     def __enter__(self) -> SafetensorsReader:  # noqa: PYI034
@@ -205,9 +214,9 @@ class SafetensorsReader:
         key = self.renamed.get(name, name)
         if key in self.where and self.transposed and FUSED.match(name):
             (e, r, c), (ne, nr, nc) = box
-            return self.where[key].get_slice(key)[e:e + ne, c:c + nc, r:r + nr].transpose(1, 2)
+            return self._slice(key, ((e, c, r), (ne, nc, nr))).transpose(1, 2)
         if key in self.where:
-            return self.where[key].get_slice(key)[_slices(box)]
+            return self._slice(key, box)
         if is_mxfp4(key, self.where):
             return read_mxfp4(self.where, key, box)
         if name in self.merged:
@@ -231,7 +240,13 @@ class SafetensorsReader:
         return torch.stack(out) if out else torch.empty(0, nr, nc)
 
     def _rows(self, key: str, r0: int, nr: int, c0: int, nc: int) -> torch.Tensor:
-        return self.where[key].get_slice(key)[r0 : r0 + nr, c0 : c0 + nc]
+        return self._slice(key, ((r0, c0), (nr, nc)))
+
+    def _slice(self, key: str, box: Box) -> torch.Tensor:
+        """Checkpoint tensor `key`'s slice `box`, dequantized if it is FP8."""
+        if is_fp8(key, self.where):
+            return read_fp8(self.where, key, box)
+        return self.where[key].get_slice(key)[_slices(box)]
 
 
 def _persistent(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
