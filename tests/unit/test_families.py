@@ -177,3 +177,47 @@ def test_gpt_oss_plan_counts_its_sliding_windows_and_its_eager_attention() -> No
     assert "MiB per sequence: the KV of 18 sliding-window layers" in plan.render()
     twin = make_plan(composed("+recipe=gpt_oss", "+twin=cpu"))
     assert twin.problems() == [] and (twin.c.trainer.ep, twin.shape.hf.sliding_window) == (2, 4)
+
+
+def test_deepseek_v3_and_kimi_k2_catalog_entries_count_the_main_model_exactly() -> None:
+    """Hand-counted from the configs (hidden 7168, 61 layers, MLA: a 1536 query latent, a 512 + 64 key-value latent,
+    per head 128 + 64 query/key and 128 value widths; experts 3 x 7168 x 2048 with one shared and a router of 7168
+    per expert; the first dense layers 3 x 7168 x 18432; untied embedding and head; every layer 2 norms, the latents
+    one each, one final norm). No multi-token-prediction layer: DeepSeek-V3's card says 685B with its 14B."""
+    from rlray.models.catalog import architecture
+    from rlray.models.shape import model_shape
+
+    def count(vocab: int, heads: int, experts: int, dense: int, h: int = 7168) -> int:
+        attention = (h * 1536 + 1536 + 1536 * heads * (128 + 64) + h * (512 + 64) + 512 + 512 * heads * (128 + 128)
+                     + heads * 128 * h + 2 * h)
+        moe = experts * (3 * h * 2048 + h) + 3 * h * 2048
+        return 2 * vocab * h + h + 61 * attention + dense * 3 * h * 18432 + (61 - dense) * moe
+
+    assert count(129280, 128, 256, dense=3) == 671_026_404_352
+    assert count(163840, 64, 384, dense=1) == 1_026_408_209_408
+    for name, params, moe_layers in (("deepseek-ai/DeepSeek-V3", 671_026_404_352, 58),
+                                     ("moonshotai/Kimi-K2-Instruct", 1_026_408_209_408, 60)):
+        shape = model_shape(architecture(name)[0], name)
+        assert (shape.params, shape.moe_layers, shape.arch) == (params, moe_layers, "DeepseekV3ForCausalLM")
+
+
+def test_a_kimi_k2_checkpoint_reads_as_deepseek_v3(tmp_path) -> None:
+    """Kimi-K2's config.json says model_type kimi_k2, which transformers 5.19 does not know (AutoConfig asks for its
+    remote code); rlray reads it with the family's DeepseekV3Config, as vLLM does, without the remote code."""
+    import json
+
+    from transformers import AutoConfig
+
+    from rlray.models.catalog import CATALOG, read_config
+
+    values = {**CATALOG["moonshotai/Kimi-K2-Instruct"].values, "model_type": "kimi_k2",
+              "architectures": ["DeepseekV3ForCausalLM"],
+              "auto_map": {"AutoConfig": "configuration_deepseek.DeepseekV3Config"}}
+    (tmp_path / "config.json").write_text(json.dumps(values))
+    with pytest.raises(ValueError, match="trust_remote_code"):
+        AutoConfig.from_pretrained(tmp_path)
+    config = read_config(str(tmp_path))
+    assert type(config).__name__ == "DeepseekV3Config" and config.model_type == "deepseek_v3"
+    assert (config.n_routed_experts, config.num_attention_heads, config.head_dim, config.kv_lora_rank) == (384, 64, 64, 512)
+    assert config.rope_parameters["factor"] == 32 and "auto_map" not in config.to_dict()
+    assert family("kimi_k2") is family(config.model_type) is FAMILIES["deepseek_v3"]

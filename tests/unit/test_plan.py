@@ -136,9 +136,9 @@ def published_mismatch(entry, shape) -> list[str]:
     out = [] if entry.exact in (None, shape.params) else [f"total: counted {shape.params:,}, exactly {entry.exact:,}"]
     for what, quoted, counted in (("total", entry.params, shape.params),
                                   ("active", entry.active, shape.active_params - uncounted)):
-        number = quoted.removesuffix("B")
-        unit = 10.0 ** -len(number.partition(".")[2]) * 1e9
-        if abs(counted - float(number) * 1e9) >= unit:
+        number, scale = quoted[:-1], {"B": 1e9, "T": 1e12}[quoted[-1]]
+        unit = 10.0 ** -len(number.partition(".")[2]) * scale
+        if abs(counted - float(number) * scale) >= unit:
             out.append(f"{what}: counted {counted / 1e9:.2f}B, the card says {quoted}")
     return out
 
@@ -154,17 +154,26 @@ def test_every_catalog_entry_has_its_published_size(name: str) -> None:
 DOCUMENTED = {"Qwen/Qwen3-Next-80B-A3B-Instruct": "Qwen3NextConfig", "Qwen/Qwen3.5-35B-A3B": "Qwen3_5MoeTextConfig"}
 
 
+def head_widths(entry) -> tuple[str, ...]:
+    """The config keys of an entry's attention head widths: `head_dim`; multi-head latent attention's query, rope
+    and value widths (transformers sets its `head_dim` to the rope width, whatever the config says)."""
+    from rlray.config.families import family
+
+    return ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim") if family(entry.model_type).mla else ("head_dim",)
+
+
 @pytest.mark.parametrize("name", sorted(set(CATALOG) - set(DOCUMENTED)))
 @pytest.mark.parametrize("factor", [0.5, 0.75, 1.5])
 def test_a_mistyped_head_dim_in_the_catalog_is_caught(name: str, factor: float) -> None:
-    from transformers import AutoConfig
+    from rlray.models.catalog import for_model
 
     entry = CATALOG[name]
     text = entry.values.get("text_config", entry.values)  # a vision-language model: the language model's head_dim
-    typo = {**text, "head_dim": int(text["head_dim"] * factor)}
-    values = {**entry.values, "text_config": typo} if "text_config" in entry.values else typo
-    wrong = AutoConfig.for_model(entry.model_type, **values)
-    assert published_mismatch(entry, model_shape(wrong, name))
+    for key in head_widths(entry):
+        typo = {**text, key: int(text[key] * factor)}
+        values = {**entry.values, "text_config": typo} if "text_config" in entry.values else typo
+        wrong = for_model(entry.model_type, values)
+        assert published_mismatch(entry, model_shape(wrong, name)), key
 
 
 @pytest.mark.parametrize("name", sorted(DOCUMENTED))
