@@ -10,13 +10,18 @@ adapters, their gradients and AdamW; the gathered working set (two decoder layer
 dtype, with this rank's E/ep experts, plus one layer's fp32 gradients before reduce-scatter (none
 for a frozen base), plus embedding and head); activations for `micro_batch_tokens` T: per
 layer T x b x (6H + 2 q-width + 2 kv-width + MLP widths: k experts of the record's width, 3 matrices
-gated or 2), every layer without checkpointing, or the layer inputs plus one layer with it; with
+gated or 2), every layer without checkpointing, or the layer inputs plus one layer with it; with multi-head
+latent attention (the record's `mla`) its attention part is 2 x q_lora_rank (the query latent and its norm) +
+2 x kv_lora_rank + rope (the key-value latent with its rope key, and its norm) + 2 x heads x (nope + rope) (the
+query before and after rope) + heads x (nope + v) (the expanded latent, which the values view) + heads x
+(nope + rope) (the keys, rope part copied in); with
 attention sinks (eager attention per sequence) heads x L^2 x b per layer and 3 more transient, L the
 longest sequence (rollout.max_model_len, at most T); fp32 logits and their gradient, T x V x (b + 8); on a
 GPU a fixed 4 GB for the CUDA context and NCCL.
 Engine, per GPU (tensor parallel TP): weights P x b / TP; the KV cache gets what is left of
 `kv_cache_fraction` of the GPU after weights and a 2 GB activation reserve (or exactly
-`kv_cache_gb`), at 2 x layers x kv_heads x head_dim x b / TP bytes per token of a full-attention layer, plus
+`kv_cache_gb`), at 2 x layers x kv_heads x head_dim x b / TP bytes per token of a full-attention layer (with
+multi-head latent attention (kv_lora_rank + qk_rope_head_dim) x b, one latent for every head, whole on each TP rank), plus
 per sequence a sliding-window layer's KV of its window and a linear-attention layer's recurrent state
 (rlray.models.cache). MoE activations read the record's expert width and gating (rlray.config.families).
 """
@@ -31,10 +36,21 @@ from rlray.orchestration.phases import BYTES, ENGINE_RESERVE_GB, GB
 OVERHEAD_GB = 4.0  # CUDA context, NCCL buffers, allocator slack per trainer GPU
 
 
+def attention_width(s: ModelShape) -> int:
+    """Per token, what one attention layer keeps for backward besides its hidden-width tensors: queries before and
+    after rope, keys and values; multi-head latent attention also its latents (see the module's contract)."""
+    hidden, heads, kv = s.dim("hidden_size"), s.dim("num_attention_heads"), s.dim("num_key_value_heads")
+    if s.family and s.family.mla:
+        qk, rope = s.dim("qk_nope_head_dim") + s.dim("qk_rope_head_dim"), s.dim("qk_rope_head_dim")
+        latents = 2 * s.dim("q_lora_rank") + 2 * s.dim("kv_lora_rank") + rope
+        return latents + 2 * heads * qk + heads * (s.dim("qk_nope_head_dim") + s.dim("v_head_dim")) + heads * qk
+    head_dim = s.dim("head_dim", hidden // max(heads, 1))
+    return 2 * heads * head_dim + 2 * kv * head_dim
+
+
 def activations(s: ModelShape, c: Config, checkpointing: bool) -> float:
     t, b = c.trainer.micro_batch_tokens // c.trainer.cp, BYTES[c.trainer.param_dtype]  # each cp rank: 1/cp of a row
-    hidden, heads, kv = s.dim("hidden_size"), s.dim("num_attention_heads"), s.dim("num_key_value_heads")
-    head_dim = s.dim("head_dim", hidden // max(heads, 1))
+    hidden, heads = s.dim("hidden_size"), s.dim("num_attention_heads")
     moe = s.family.moe if s.family and s.family.moe else None
     mats = 3 if moe is None or moe.gated else 2  # gate, up and down; or up and down (Nemotron-H's relu^2)
     if s.experts:
@@ -48,7 +64,7 @@ def activations(s: ModelShape, c: Config, checkpointing: bool) -> float:
     # probabilities per head of its longest sequence stay for backward, 3 more such matrices pass through
     length = min(c.rollout.max_model_len, t) if s.family and s.family.sinks else 0
     scores = heads * length * length * b
-    one_layer = t * b * (6 * hidden + 2 * heads * head_dim + 2 * kv * head_dim + mlp) + scores
+    one_layer = t * b * (6 * hidden + attention_width(s) + mlp) + scores
     layers = s.dim("num_hidden_layers")
     return (layers * t * hidden * b + one_layer if checkpointing else layers * one_layer) + 3 * scores
 
