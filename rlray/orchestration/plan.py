@@ -32,7 +32,7 @@ from rlray.config.resources import needs
 from rlray.models.cache import LINEAR, SLIDING, layer_kinds
 from rlray.models.shape import ModelShape, human, model_shape
 from rlray.orchestration import phases
-from rlray.orchestration.memory import activations, engine_memory, trainer_memory
+from rlray.orchestration.memory import activations, engine_memory, engine_shortfall, trainer_memory
 from rlray.orchestration.phases import BYTES, GB
 from rlray.parallel.dims import ParallelDims
 from rlray.types import route_dtype
@@ -138,12 +138,8 @@ class Plan:
                        + ", ".join(fixes))
         if c.cluster.colocate:
             return out + phases.problems(self)
-        if c.rollout.gpus_per_actor and self.engine["sequences"] < 1:
-            out.append(f"rollout: {self.shape.name} takes {self.engine['weights'] / GB:.0f} GB per GPU at "
-                       f"tensor_parallel_size={tp}, leaving no KV cache for one {c.rollout.max_model_len}-token "
-                       f"sequence in {c.rollout.kv_cache_fraction:g} x {mem:g} GB; raise rollout.tensor_parallel_size "
-                       "and rollout.gpus_per_actor together, or rollout.kv_cache_fraction")
-        return out
+        shortfall = engine_shortfall(self.shape, c.rollout, c.cluster, "rollout")
+        return out + ([shortfall] if shortfall else [])
 
     def summary(self) -> str:
         """One line for the console of a real run (the whole plan goes to plan.txt)."""
@@ -182,7 +178,7 @@ class Plan:
         workers = f"{r.num_actors * engine_workers(r)}" + ("" if r.max_actors is None else
                                                           f" to {r.max_actors * engine_workers(r)}")
         lines.append(f"rollout: {count} engines x tensor_parallel_size={r.tensor_parallel_size}{dp}, "
-                     f"{r.dtype}; weight group of 1 + {workers} workers")
+                     f"{r.dtype}{f', {r.quantization} weights' if r.quantization else ''}; weight group of 1 + {workers} workers")
         if s.experts:
             k = s.dim("num_experts_per_tok")
             lines.append(f"  routing: {s.moe_layers} MoE layers x top-{k} x {route_dtype(s.experts).itemsize} B = "
@@ -212,7 +208,9 @@ class Plan:
         held = [f"the recurrent state of {kinds.count(LINEAR)} linear-attention layers"] * (LINEAR in kinds) + [
             f"the KV of {kinds.count(SLIDING)} sliding-window layers"] * (SLIDING in kinds)
         state = (f" (KV of {s.full_attention_layers} full-attention layers, {e['per token'] / 2**10:.1f} KiB per token, and "
-                 f"{e['per sequence'] / 2**20:.1f} MiB per sequence: {' and '.join(held)})" if e["per sequence"] else "")
+                 f"{e['per sequence'] / 2**20:.1f} MiB per sequence: {' and '.join(held)})" if e["per sequence"] else
+                 f" (the latents of {s.full_attention_layers} MLA layers, {e['per token'] / 2**10:.1f} KiB per token, whole "
+                 f"on every tensor-parallel worker)" if s.family and s.family.mla else "")
         lines.append(f"memory per engine {'GPU' if r.gpus_per_actor else 'CPU'} (estimate): weights "
                      f"{e['weights'] / GB:.2f} GB, KV cache {e['KV cache'] / GB:.2f} GB = {e['sequences']:.0f} "
                      f"sequences of {r.max_model_len} tokens{state}")
@@ -244,12 +242,8 @@ class Plan:
             out.append(f"teacher.name='{te.name}' has a vocabulary of {s.dim('vocab_size')} and the student "
                        f"{self.shape.dim('vocab_size')}: the teacher scores the student's token ids, so both need "
                        "one tokenizer; pick a teacher of the student's family")
-        if te.gpus_per_actor and self.teacher["sequences"] < 1:
-            out.append(f"teacher: {s.name} takes {self.teacher['weights'] / GB:.0f} GB per GPU at "
-                       f"tensor_parallel_size={te.tensor_parallel_size}, leaving no KV cache for one "
-                       f"{te.max_model_len}-token sequence; raise teacher.tensor_parallel_size and "
-                       "teacher.gpus_per_actor together, or teacher.kv_cache_fraction")
-        return out
+        shortfall = engine_shortfall(s, te, self.c.cluster, "teacher")
+        return out + ([shortfall] if shortfall else [])
 
     # ---- colocated (cluster.colocate) ---------------------------------------------------------
     def _groups(self) -> list[str]:

@@ -124,8 +124,23 @@ def test_engine_shapes_that_cannot_serve_are_named() -> None:
         validate(c)  # the GPUs per engine: a config check, before the plan (and before torch)
     c.rollout.tensor_parallel_size, c.rollout.gpus_per_actor = 1, 1
     c.rollout.kv_cache_gb, c.cluster.gpu_memory_gb, c.rollout.kv_cache_fraction = 0, 1, 0.5
-    assert any("leaving no KV cache" in p for p in make_plan(c).problems())
+    # half of a 1 GB GPU never holds the engine's 2 GB of activations, at any tensor parallelism a node allows
+    assert any("one engine is one Ray bundle, on one node: cluster.gpus_per_node=8 x 1 GB, 0.5 of each for vLLM (4 GB); "
+               "rlray has no engine across nodes: it fits a node of GPUs of 4 GB or more" in p for p in make_plan(c).problems())
     assert make_plan(c).engine["KV cache"] == 0 < GB
+
+
+def test_an_engine_grows_to_one_node_and_no_further() -> None:
+    """GLM-4.5-Air's 214 GB of bf16 weights leave no KV cache in 0.85 x 141 GB at TP 1, and do at TP 8: more GPUs per
+    engine; 16 GPUs are more than one node (one Ray bundle) holds."""
+    one = make_plan(composed("+recipe=glm_moe", "rollout.tensor_parallel_size=1", "rollout.gpus_per_actor=1"))
+    assert one.problems() == [("rollout: zai-org/GLM-4.5-Air takes 214 GB per GPU at tensor_parallel_size=1, leaving no "
+                               "KV cache for one 4096-token sequence in 0.85 x 141 GB; raise rollout.tensor_parallel_size "
+                               "and rollout.gpus_per_actor together (up to cluster.gpus_per_node=8), or "
+                               "rollout.kv_cache_fraction")]
+    wide = make_plan(composed("+recipe=glm_moe", "rollout.tensor_parallel_size=16", "rollout.gpus_per_actor=16"))
+    assert wide.problems() == [("rollout.gpus_per_actor=16 but cluster.gpus_per_node=8: an engine is one Ray bundle, "
+                                "which one node holds; lower rollout.tensor_parallel_size and rollout.gpus_per_actor to 8")]
 
 
 def published_mismatch(entry, shape) -> list[str]:
