@@ -50,6 +50,7 @@ from rlray.config.families import family, known, recurrent
 from rlray.envs import V1Env, load_envs
 from rlray.envs.images import vision_prompt
 from rlray.envs.v1 import specs as v1_specs
+from rlray.models.catalog import read_config
 from rlray.models.multimodal import is_vision
 from rlray.models.quantized import engine_route
 from rlray.models.tiny import model_path
@@ -111,7 +112,7 @@ class RolloutActor:
         self.stats_ = {"groups": 0, "completion_tokens": 0, "errors": 0, "gen_seconds": 0.0}
 
     async def start(self) -> dict[str, Any]:
-        from transformers import AutoConfig, AutoTokenizer
+        from transformers import AutoTokenizer
 
         from rlray.actors.engine import Engine, version_warning
         from rlray.actors.server import PLAIN_CHAT_TEMPLATE, OpenAIServer
@@ -124,7 +125,7 @@ class RolloutActor:
         path = model_path(self.model_cfg)
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         template = resolve_chat_template(self.env_cfg, self.tokenizer)
-        hf_config = AutoConfig.from_pretrained(path)
+        hf_config = read_config(path)
         vision = vision_prompt(path, template, self.cfg.max_images) if is_vision(hf_config) else None
         bridge = TurnBridge(self.tokenizer, template)  # fails fast on a template it cannot split
         envs = await self._load_envs(path, template)

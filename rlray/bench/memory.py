@@ -66,10 +66,12 @@ def _sft_batch(world: int, rank: int) -> list[Any]:
 def _warm(path: str) -> None:
     """Import every module the model needs (a meta-device build), so the baseline holds the imports."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
+
+    from rlray.models.catalog import read_config
 
     with torch.device("meta"):
-        AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
+        AutoModelForCausalLM.from_config(read_config(path))
 
 
 def _worker(rank: int, world: int, port: int, path: str, ep: int, out: str) -> None:

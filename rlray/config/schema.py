@@ -348,6 +348,7 @@ class ClusterConfig:
     num_cpus: int = 8  # logical CPUs declared for a local Ray (fractional bundles fit)
     num_gpus: int | None = None  # GPUs a local Ray declares; None: what torch sees (never more)
     gpu_memory_gb: float = 80.0  # memory of one GPU, for the plan's fit check (H100 80, H200 141)
+    gpus_per_node: int = 8  # GPUs of one node, for the plan: an engine is one Ray bundle, which one node holds
     dashboard_host: str = "127.0.0.1"
     backend: str = "auto"  # auto: nccl when the bundles have GPUs, else gloo
     # true: one placement group, a trainer rank and an engine worker in each bundle, taking turns; weights

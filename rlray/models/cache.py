@@ -3,7 +3,10 @@
 Contract: `cache_bytes(text_config, tp, dtype_bytes, max_len=None)` returns (bytes per token, bytes per sequence)
 on one engine GPU at tensor parallel `tp`, from each layer's kind (`layer_kinds`: the config's `layer_types`, else
 every layer full attention; Nemotron-H's also name its "moe" and "mlp" blocks, which keep nothing):
-- per token, the KV cache of the full-attention layers: 2 x layers x ceil(KV heads / tp) x head dim x bytes;
+- per token, the KV cache of the full-attention layers: 2 x layers x ceil(KV heads / tp) x head dim x bytes; with
+  multi-head latent attention (the family record's `mla`: DeepSeek-V3, Kimi-K2) layers x (kv_lora_rank +
+  qk_rope_head_dim) x bytes, vLLM's one latent per token that every head reads, which tensor parallelism does not
+  split (each rank keeps all of it);
 - per sequence, whatever the sequence's length:
   - the KV of the sliding-window layers (gpt-oss), which keep at most `sliding_window` tokens (or `max_len`);
   - the recurrent state of the linear-attention layers, as vLLM sizes it: a gated delta-net
@@ -19,6 +22,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from rlray.config.families import family, known
+
 FULL, SLIDING, LINEAR = "full_attention", "sliding_attention", "linear_attention"
 _BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -30,7 +35,9 @@ def layer_kinds(config: Any) -> list[str]:
 
 
 def _kv_per_token(config: Any, tp: int, dtype_bytes: int) -> int:
-    """Keys and values of one token in one attention layer."""
+    """Keys and values of one token in one attention layer (its latent under multi-head latent attention)."""
+    if known(config.model_type) and family(config.model_type).mla:
+        return (int(config.kv_lora_rank) + int(config.qk_rope_head_dim)) * dtype_bytes
     heads = int(getattr(config, "num_attention_heads", 1))
     head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // max(heads, 1))
     kv_heads = math.ceil(int(getattr(config, "num_key_value_heads", None) or heads) / tp)

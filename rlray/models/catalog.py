@@ -1,10 +1,14 @@
-"""The architectures of the models rlray's recipes name, for planning without the hub.
+"""The architectures of the models rlray's recipes name, for planning without the hub, and a checkpoint's config.
 
 Contract: `architecture(name)` returns (a transformers config, where it came from) for a model
 name: a local folder (its config.json), an id in `CATALOG` (the hub's config.json values, copied
 here so that a dry run and the memory plan work offline), or any other hub id (fetched by
 transformers). Training always reads the checkpoint's own config.json; the catalog only sizes the
-plan. Each entry carries the parameter counts its model card publishes, the rule its active figure
+plan. `read_config(name)` is how every part of rlray reads a checkpoint's config (a folder or a hub id), and
+`for_model(model_type, values)` how the catalog builds one: transformers' AutoConfig, except that a model_type
+transformers does not know but a family record lists (rlray.config.families: Kimi-K2's `kimi_k2`) is read with
+that family's config class, as vLLM reads it (its `_CONFIG_REGISTRY`), without the remote code the checkpoint's
+`auto_map` names: the config then says the family's own model_type (`deepseek_v3`). Each entry carries the parameter counts its model card publishes, the rule its active figure
 follows (`Counts`), and where the card rounds too coarsely to catch a mistyped dimension, the
 checkpoint's exact count: tests/unit/test_plan.py counts every entry on the meta device against them,
 so a mistyped dimension fails there. Adding a model is one entry.
@@ -15,6 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
+
+from rlray.config.families import family, known
 
 # What a card's active figure counts beyond the decoder layers' active parameters: "all" (the embedding and the
 # output head too), "head" (the head, a matmul per token, but not the embedding lookup: gpt-oss's table, NVIDIA's
@@ -47,7 +53,7 @@ QWEN3_4B = {  # Qwen/Qwen3-4B: 4.0B, dense (the distill recipe's student)
 class Entry:
     model_type: str
     values: dict[str, Any]
-    params: str  # the total its model card publishes, as written there ("106B", "30.5B")
+    params: str  # the total its model card publishes, as written there ("106B", "30.5B", "1T")
     active: str  # the parameters per token it publishes
     counts: Counts  # what that figure counts beside the decoder layers
     exact: int | None = None  # the checkpoint's parameters to the unit, as transformers builds it (None: unpublished)
@@ -136,6 +142,30 @@ GPT_OSS_20B = {  # openai/gpt-oss-20b: 24 layers alternating a 128-token window 
 }
 GPT_OSS_120B = {**GPT_OSS_20B, "num_hidden_layers": 36, "layer_types": ["sliding_attention", "full_attention"] * 18,
                 "num_local_experts": 128}  # openai/gpt-oss-120b
+# DeepSeek-V3's multi-head latent attention: queries through a rank-1536 latent, keys and values through one latent
+# of 512 per token plus a 64-wide rope key shared by every head (what an engine caches); per head 128 + 64 query and
+# key widths, 128 value. The hub's checkpoints ship FP8 blocks (quantization_config: e4m3 weights, a scale per
+# 128 x 128 block) and a multi-token-prediction layer (num_nextn_predict_layers: model.layers.61), which
+# transformers builds neither of: the catalog counts the main model in the checkpoints' bf16 (their torch_dtype)
+_FP8_BLOCKS = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+DEEPSEEK_V3 = {  # deepseek-ai/DeepSeek-V3: 671B (the card's 685B counts the 14B MTP layer), 37B active
+    "vocab_size": 129280, "hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048,
+    "num_hidden_layers": 61, "num_attention_heads": 128, "num_key_value_heads": 128, "n_shared_experts": 1,
+    "n_routed_experts": 256, "routed_scaling_factor": 2.5, "kv_lora_rank": 512, "q_lora_rank": 1536,
+    "qk_rope_head_dim": 64, "v_head_dim": 128, "qk_nope_head_dim": 128, "n_group": 8, "topk_group": 4,
+    "num_experts_per_tok": 8, "first_k_dense_replace": 3, "norm_topk_prob": True, "topk_method": "noaux_tc",
+    "scoring_func": "sigmoid", "max_position_embeddings": 163840, "rope_theta": 10000,
+    "rope_scaling": {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "beta_fast": 32,
+                     "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
+    "tie_word_embeddings": False, "num_nextn_predict_layers": 1, "rms_norm_eps": 1e-6, "quantization_config": _FP8_BLOCKS,
+}
+KIMI_K2 = {  # moonshotai/Kimi-K2-Instruct: 1T, 32B active; DeepSeek-V3's architecture with 64 heads, 384 experts
+    **DEEPSEEK_V3, "vocab_size": 163840, "num_attention_heads": 64, "num_key_value_heads": 64, "n_routed_experts": 384,
+    "routed_scaling_factor": 2.827, "n_group": 1, "topk_group": 1, "first_k_dense_replace": 1,
+    "max_position_embeddings": 131072, "rope_theta": 50000,
+    "rope_scaling": {"type": "yarn", "factor": 32, "original_max_position_embeddings": 4096, "beta_fast": 1,
+                     "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
+}
 CATALOG: dict[str, Entry] = {
     "zai-org/GLM-4.5-Air": Entry("glm4_moe", GLM45_AIR, "106B", "12B", counts="layers"),
     "Qwen/Qwen3-30B-A3B": Entry("qwen3_moe", QWEN3_30B_A3B, "30.5B", "3.3B", counts="all"),
@@ -161,16 +191,46 @@ CATALOG: dict[str, Entry] = {
     # the gpt-oss model card's table (its summary rounds to 21B / 3.6B and 117B / 5.1B)
     "openai/gpt-oss-20b": Entry("gpt_oss", GPT_OSS_20B, "20.91B", "3.61B", counts="head"),
     "openai/gpt-oss-120b": Entry("gpt_oss", GPT_OSS_120B, "116.83B", "5.13B", counts="head"),
+    # the cards' totals round to 1B and 1T: the exact counts (transformers' build, no MTP layer) hold every width
+    "deepseek-ai/DeepSeek-V3": Entry("deepseek_v3", DEEPSEEK_V3, "671B", "37B", counts="all", exact=671_026_404_352),
+    "moonshotai/Kimi-K2-Instruct": Entry("kimi_k2", KIMI_K2, "1T", "32B", counts="all", exact=1_026_408_209_408),
 }
+
+
+def _family_class(model_type: str | None) -> Any:
+    """The config class of a model_type that only a family record knows (None: transformers knows it, or no one)."""
+    import transformers
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    if model_type is None or model_type in CONFIG_MAPPING or not known(model_type):
+        return None
+    return getattr(transformers, family(model_type).config_class or "", None)
+
+
+def for_model(model_type: str, values: dict[str, Any]) -> Any:
+    """A transformers config of `model_type` with `values`."""
+    from transformers import AutoConfig
+
+    cls = _family_class(model_type)
+    return AutoConfig.for_model(model_type, **values) if cls is None else cls(**values)
+
+
+def read_config(name: str) -> Any:
+    """The transformers config of the checkpoint `name` (a folder, or a hub id)."""
+    from transformers import AutoConfig, PreTrainedConfig
+
+    values = PreTrainedConfig.get_config_dict(name)[0]
+    cls = _family_class(values.get("model_type"))
+    if cls is None:
+        return AutoConfig.from_pretrained(name)
+    return cls.from_dict({k: v for k, v in values.items() if k not in ("model_type", "auto_map")})
 
 
 def architecture(name: str) -> tuple[Any, str]:
     """(config, where it came from)."""
-    from transformers import AutoConfig
-
     if Path(name).is_dir():
-        return AutoConfig.from_pretrained(name), f"{name}/config.json"
+        return read_config(name), f"{name}/config.json"
     if name in CATALOG:
         entry = CATALOG[name]
-        return AutoConfig.for_model(entry.model_type, **entry.values), "rlray's catalog of its recipes' models (offline)"
-    return AutoConfig.from_pretrained(name), f"the hub's {name}/config.json"
+        return for_model(entry.model_type, entry.values), "rlray's catalog of its recipes' models (offline)"
+    return read_config(name), f"the hub's {name}/config.json"

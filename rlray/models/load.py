@@ -39,6 +39,7 @@ from rlray.config import TrainerConfig
 from rlray.config.checks import cp_refusal
 from rlray.config.families import expert_params, family, known, moe_attrs
 from rlray.models.attention import PACKED, packed_attention
+from rlray.models.catalog import read_config
 from rlray.models.lora import apply_lora, checkpoint_name, init_adapters, is_adapter
 from rlray.models.multimodal import freeze_vision, is_vision
 from rlray.models.quantized import (
@@ -69,13 +70,6 @@ FUSED = re.compile(rf"^(?P<prefix>.*\.(?:{'|'.join(sorted({e for _, e in moe_att
 EXPERTS = re.compile(rf"^(?P<prefix>.*\.(?:{'|'.join(sorted({e for _, e in moe_attrs()}))}))\.(?P<param>\w+)$")
 CP_ATTENTION = "rlray_cp"
 FLASH_DTYPES = ("bfloat16", "float16")
-
-
-def read_config(folder: str) -> Any:
-    """The transformers config of the checkpoint in `folder`."""
-    from transformers import AutoConfig
-
-    return AutoConfig.from_pretrained(folder)
 
 
 def local_folder(name: str) -> Path:

@@ -48,6 +48,7 @@ from rlray.data.packing import pack
 from rlray.envs import load_envs
 from rlray.envs.images import vision_prompt
 from rlray.envs.sft import SFTData
+from rlray.models.catalog import read_config
 from rlray.models.multimodal import is_vision
 from rlray.models.tiny import model_path
 from rlray.orchestration import checkpoint, cluster, preemption, recovery
@@ -70,12 +71,12 @@ class Controller:
         self.run_dir = Path(c.run.dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "config.yaml").write_text(yaml.safe_dump(_config_dict(c), sort_keys=False))
-        from transformers import AutoConfig, AutoTokenizer
+        from transformers import AutoTokenizer
 
         path = model_path(c.model)
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         template = resolve_chat_template(c.env, self.tokenizer)
-        vision = vision_prompt(path, template, c.rollout.max_images) if is_vision(AutoConfig.from_pretrained(path)) else None
+        vision = vision_prompt(path, template, c.rollout.max_images) if is_vision(read_config(path)) else None
         self.sft_data = SFTData(load_envs(c.env), self.tokenizer, template, c.run.seed, vision)
         self.metrics = Metrics(self.run_dir, c.logging, _config_dict(c))
         self.summary: dict[str, Any] = {"run_dir": str(self.run_dir)}

@@ -4,29 +4,13 @@ Contract: `make_plan(config)` reads only the model's architecture (rlray.models.
 meta-device build counts its parameters exactly: no weights, no Ray) and returns a `Plan`:
 `render()` is what `dry_run=true` prints (`summary()` its one-line digest), `problems()` lists what cannot fit, one line each
 naming the part, the shortfall and a fix, and `gpus`/`cpus` are what the run asks of the
-cluster (`rlray.config.resources.needs`). The memory figures are estimates (formulas below), stated as such.
-
-Trainer, per rank (N ranks, P parameters, FSDP2 shards everything over the N ranks, experts over
-ep x efsdp = N as well): fp32 master weights 4P/N, fp32 gradients 4P/N, AdamW 8P/N; with LoRA
-(A adapter parameters) the frozen base in trainer.lora.base_dtype, and 16A/N for the fp32
-adapters, their gradients and AdamW; the gathered working set (two decoder layers in the compute
-dtype, with this rank's E/ep experts, plus one layer's fp32 gradients before reduce-scatter (none
-for a frozen base), plus embedding and head); activations for `micro_batch_tokens` T: per
-layer T x b x (6H + 2 q-width + 2 kv-width + MLP widths: k experts of the record's width, 3 matrices
-gated or 2), every layer without checkpointing, or the layer inputs plus one layer with it; with
-attention sinks (eager attention per sequence) heads x L^2 x b per layer and 3 more transient, L the
-longest sequence (rollout.max_model_len, at most T); fp32 logits and their gradient, T x V x (b + 8); on a
-GPU a fixed 4 GB for the CUDA context and NCCL.
-Engine, per GPU (tensor parallel TP): weights P x b / TP; the KV cache gets what is left of
-`kv_cache_fraction` of the GPU after weights and a 2 GB activation reserve (or exactly
-`kv_cache_gb`), at 2 x layers x kv_heads x head_dim x b / TP bytes per token of a full-attention layer, plus
-per sequence a sliding-window layer's KV of its window and a linear-attention layer's recurrent state
-(rlray.models.cache). MoE activations read the record's expert width and gating (rlray.config.families).
+cluster (`rlray.config.resources.needs`). The memory figures are estimates, stated as such: a trainer rank's and an
+engine GPU's are rlray.orchestration.memory's formulas.
 Colocated (`cluster.colocate`), per device: the train, handover and generate phases of the turns and
 both at once (rlray.orchestration.phases, with the ipc handover's buffer on GPUs). The run takes turns
 (async.max_off_policy_steps=0) unless both fit at once.
 Teacher (algo.loss=opd, `teacher.name`): its architecture read as the student's, its engines sized by
-the engine formula above from the teacher.* keys, in a placement group of their own.
+the engine formula from the teacher.* keys, in a placement group of their own.
 """
 
 from __future__ import annotations
@@ -38,8 +22,6 @@ from rlray.config import (
     Config,
     ConfigError,
     LoraConfig,
-    RolloutConfig,
-    TeacherConfig,
     engine_workers,
     weight_backend,
 )
@@ -47,15 +29,15 @@ from rlray.config.checks import cp_refusal
 from rlray.config.colocation import TRAINER_GPU_SHARE
 from rlray.config.families import family, known
 from rlray.config.resources import needs
-from rlray.models.cache import LINEAR, SLIDING, cache_bytes, layer_kinds
+from rlray.models.cache import LINEAR, SLIDING, layer_kinds
 from rlray.models.shape import ModelShape, human, model_shape
 from rlray.orchestration import phases
-from rlray.orchestration.phases import BYTES, ENGINE_RESERVE_GB, GB
+from rlray.orchestration.memory import activations, engine_memory, engine_shortfall, trainer_memory
+from rlray.orchestration.phases import BYTES, GB
 from rlray.parallel.dims import ParallelDims
 from rlray.types import route_dtype
 from rlray.weightsync.transport import BUCKET_BYTES, SHM_BUCKET_BYTES
 
-OVERHEAD_GB = 4.0  # CUDA context, NCCL buffers, allocator slack per trainer GPU
 STATES = ("fp32 weights", "fp32 gradients", "fp32 adapters", "adapter gradients", "AdamW state")
 
 
@@ -80,65 +62,6 @@ def shape_of(c: Config) -> ModelShape:
         return model_shape(hf, name, source, c.trainer.lora)
     except ValueError as e:  # trainer.lora's targets against the model's layers
         raise ConfigError(str(e)) from None
-
-
-def _activations(s: ModelShape, c: Config, checkpointing: bool) -> float:
-    t, b = c.trainer.micro_batch_tokens // c.trainer.cp, BYTES[c.trainer.param_dtype]  # each cp rank: 1/cp of a row
-    hidden, heads, kv = s.dim("hidden_size"), s.dim("num_attention_heads"), s.dim("num_key_value_heads")
-    head_dim = s.dim("head_dim", hidden // max(heads, 1))
-    moe = s.family.moe if s.family and s.family.moe else None
-    mats = 3 if moe is None or moe.gated else 2  # gate, up and down; or up and down (Nemotron-H's relu^2)
-    if s.experts:
-        k, inter = s.dim("num_experts_per_tok"), s.dim(moe.width if moe else "moe_intermediate_size")
-        key = moe.shared_width if moe else None
-        shared = 0 if key is None else s.dim(key) * (inter if key.startswith("n_") else 1)
-        mlp = k * (hidden + mats * inter) + (hidden + mats * shared if shared else 0)
-    else:
-        mlp = hidden + mats * s.dim("intermediate_size")
-    # a family with sinks attends eagerly, one sequence at a time (rlray.models.attention): per layer the L x L
-    # probabilities per head of its longest sequence stay for backward, 3 more such matrices pass through
-    length = min(c.rollout.max_model_len, t) if s.family and s.family.sinks else 0
-    scores = heads * length * length * b
-    one_layer = t * b * (6 * hidden + 2 * heads * head_dim + 2 * kv * head_dim + mlp) + scores
-    layers = s.dim("num_hidden_layers")
-    return (layers * t * hidden * b + one_layer if checkpointing else layers * one_layer) + 3 * scores
-
-
-def trainer_memory(s: ModelShape, c: Config, n: int | None = None) -> dict[str, float]:
-    """Estimated bytes per trainer rank (of `n`, default trainer.num_ranks), by part."""
-    n = n or c.trainer.num_ranks
-    ep, b = c.trainer.ep, BYTES[c.trainer.param_dtype]
-    layer = s.layer_dense + s.layer_experts / ep
-    t, vocab = c.trainer.micro_batch_tokens // c.trainer.cp, s.dim("vocab_size")
-    if s.lora_params:  # frozen base in the compute dtype; fp32 adapters, their gradients and AdamW state
-        base = c.trainer.lora.base_dtype or c.trainer.param_dtype
-        states = {f"{base} base": BYTES[base] * s.params / n, "fp32 adapters": 4 * s.lora_params / n,
-                  "adapter gradients": 4 * s.lora_params / n, "AdamW state": 8 * s.lora_params / n}
-        gathered = layer * 2 * b + s.root_params * b
-    else:
-        states = {"fp32 weights": 4 * s.params / n, "fp32 gradients": 4 * s.params / n,
-                  "AdamW state": 8 * s.params / n}
-        gathered = layer * (2 * b + 4) + s.root_params * b
-    return {**states, "gathered layers": gathered,
-            "activations": _activations(s, c, c.trainer.activation_checkpointing),
-            "logits": t * vocab * (b + 8), "context": OVERHEAD_GB * GB if c.trainer.gpus_per_rank else 0.0,
-            **({"cp mask": t * c.trainer.micro_batch_tokens * b} if c.trainer.cp > 1 else {})}  # local x gathered keys
-
-
-def engine_memory(s: ModelShape, r: RolloutConfig | TeacherConfig, gpu_memory_gb: float) -> dict[str, float]:
-    """Estimated bytes per engine GPU (a rollout or a teacher engine): weights, KV cache and the sequences
-    of max_model_len it holds."""
-    tp = r.tensor_parallel_size
-    b = BYTES.get(str(r.dtype), 2)
-    weights = s.params * b / tp
-    if r.kv_cache_gb > 0:
-        kv = r.kv_cache_gb * 2**30
-    else:
-        kv = r.kv_cache_fraction * gpu_memory_gb * GB - weights - ENGINE_RESERVE_GB * GB
-    per_token, per_sequence = cache_bytes(s.hf.get_text_config(), tp, b, r.max_model_len)
-    seq = per_token * r.max_model_len + per_sequence
-    return {"weights": weights, "KV cache": max(kv, 0.0), "sequences": max(kv, 0.0) / seq,
-            "per token": per_token, "per sequence": per_sequence}
 
 
 @dataclass
@@ -215,12 +138,8 @@ class Plan:
                        + ", ".join(fixes))
         if c.cluster.colocate:
             return out + phases.problems(self)
-        if c.rollout.gpus_per_actor and self.engine["sequences"] < 1:
-            out.append(f"rollout: {self.shape.name} takes {self.engine['weights'] / GB:.0f} GB per GPU at "
-                       f"tensor_parallel_size={tp}, leaving no KV cache for one {c.rollout.max_model_len}-token "
-                       f"sequence in {c.rollout.kv_cache_fraction:g} x {mem:g} GB; raise rollout.tensor_parallel_size "
-                       "and rollout.gpus_per_actor together, or rollout.kv_cache_fraction")
-        return out
+        shortfall = engine_shortfall(self.shape, c.rollout, c.cluster, "rollout")
+        return out + ([shortfall] if shortfall else [])
 
     def summary(self) -> str:
         """One line for the console of a real run (the whole plan goes to plan.txt)."""
@@ -259,7 +178,7 @@ class Plan:
         workers = f"{r.num_actors * engine_workers(r)}" + ("" if r.max_actors is None else
                                                           f" to {r.max_actors * engine_workers(r)}")
         lines.append(f"rollout: {count} engines x tensor_parallel_size={r.tensor_parallel_size}{dp}, "
-                     f"{r.dtype}; weight group of 1 + {workers} workers")
+                     f"{r.dtype}{f', {r.quantization} weights' if r.quantization else ''}; weight group of 1 + {workers} workers")
         if s.experts:
             k = s.dim("num_experts_per_tok")
             lines.append(f"  routing: {s.moe_layers} MoE layers x top-{k} x {route_dtype(s.experts).itemsize} B = "
@@ -289,7 +208,9 @@ class Plan:
         held = [f"the recurrent state of {kinds.count(LINEAR)} linear-attention layers"] * (LINEAR in kinds) + [
             f"the KV of {kinds.count(SLIDING)} sliding-window layers"] * (SLIDING in kinds)
         state = (f" (KV of {s.full_attention_layers} full-attention layers, {e['per token'] / 2**10:.1f} KiB per token, and "
-                 f"{e['per sequence'] / 2**20:.1f} MiB per sequence: {' and '.join(held)})" if e["per sequence"] else "")
+                 f"{e['per sequence'] / 2**20:.1f} MiB per sequence: {' and '.join(held)})" if e["per sequence"] else
+                 f" (the latents of {s.full_attention_layers} MLA layers, {e['per token'] / 2**10:.1f} KiB per token, whole "
+                 f"on every tensor-parallel worker)" if s.family and s.family.mla else "")
         lines.append(f"memory per engine {'GPU' if r.gpus_per_actor else 'CPU'} (estimate): weights "
                      f"{e['weights'] / GB:.2f} GB, KV cache {e['KV cache'] / GB:.2f} GB = {e['sequences']:.0f} "
                      f"sequences of {r.max_model_len} tokens{state}")
@@ -321,12 +242,8 @@ class Plan:
             out.append(f"teacher.name='{te.name}' has a vocabulary of {s.dim('vocab_size')} and the student "
                        f"{self.shape.dim('vocab_size')}: the teacher scores the student's token ids, so both need "
                        "one tokenizer; pick a teacher of the student's family")
-        if te.gpus_per_actor and self.teacher["sequences"] < 1:
-            out.append(f"teacher: {s.name} takes {self.teacher['weights'] / GB:.0f} GB per GPU at "
-                       f"tensor_parallel_size={te.tensor_parallel_size}, leaving no KV cache for one "
-                       f"{te.max_model_len}-token sequence; raise teacher.tensor_parallel_size and "
-                       "teacher.gpus_per_actor together, or teacher.kv_cache_fraction")
-        return out
+        shortfall = engine_shortfall(s, te, self.c.cluster, "teacher")
+        return out + ([shortfall] if shortfall else [])
 
     # ---- colocated (cluster.colocate) ---------------------------------------------------------
     def _groups(self) -> list[str]:
@@ -365,7 +282,7 @@ class Plan:
 def make_plan(c: Config) -> Plan:
     shape = shape_of(c)
     dims = ParallelDims(c.trainer.num_ranks, ep=c.trainer.ep, cp=c.trainer.cp)
-    other = _activations(shape, c, not c.trainer.activation_checkpointing)
+    other = activations(shape, c, not c.trainer.activation_checkpointing)
     plan = Plan(c, shape, dims, trainer_memory(shape, c), engine_memory(shape, c.rollout, c.cluster.gpu_memory_gb),
                 other)
     if c.teacher.enabled:

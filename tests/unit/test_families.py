@@ -223,3 +223,117 @@ def test_gpt_oss_plan_counts_its_sliding_windows_and_its_eager_attention() -> No
     assert "MiB per sequence: the KV of 18 sliding-window layers" in plan.render()
     twin = make_plan(composed("+recipe=gpt_oss", "+twin=cpu"))
     assert twin.problems() == [] and (twin.c.trainer.ep, twin.shape.hf.sliding_window) == (2, 4)
+
+
+def test_deepseek_v3_and_kimi_k2_catalog_entries_count_the_main_model_exactly() -> None:
+    """Hand-counted from the configs (hidden 7168, 61 layers, MLA: a 1536 query latent, a 512 + 64 key-value latent,
+    per head 128 + 64 query/key and 128 value widths; experts 3 x 7168 x 2048 with one shared and a router of 7168
+    per expert; the first dense layers 3 x 7168 x 18432; untied embedding and head; every layer 2 norms, the latents
+    one each, one final norm). No multi-token-prediction layer: DeepSeek-V3's card says 685B with its 14B."""
+    from rlray.models.catalog import architecture
+    from rlray.models.shape import model_shape
+
+    def count(vocab: int, heads: int, experts: int, dense: int, h: int = 7168) -> int:
+        attention = (h * 1536 + 1536 + 1536 * heads * (128 + 64) + h * (512 + 64) + 512 + 512 * heads * (128 + 128)
+                     + heads * 128 * h + 2 * h)
+        moe = experts * (3 * h * 2048 + h) + 3 * h * 2048
+        return 2 * vocab * h + h + 61 * attention + dense * 3 * h * 18432 + (61 - dense) * moe
+
+    assert count(129280, 128, 256, dense=3) == 671_026_404_352
+    assert count(163840, 64, 384, dense=1) == 1_026_408_209_408
+    for name, params, moe_layers in (("deepseek-ai/DeepSeek-V3", 671_026_404_352, 58),
+                                     ("moonshotai/Kimi-K2-Instruct", 1_026_408_209_408, 60)):
+        shape = model_shape(architecture(name)[0], name)
+        assert (shape.params, shape.moe_layers, shape.arch) == (params, moe_layers, "DeepseekV3ForCausalLM")
+
+
+def test_a_kimi_k2_checkpoint_reads_as_deepseek_v3(tmp_path) -> None:
+    """Kimi-K2's config.json says model_type kimi_k2, which transformers 5.19 does not know (AutoConfig asks for its
+    remote code); rlray reads it with the family's DeepseekV3Config, as vLLM does, without the remote code."""
+    import json
+
+    from transformers import AutoConfig
+
+    from rlray.models.catalog import CATALOG, read_config
+
+    values = {**CATALOG["moonshotai/Kimi-K2-Instruct"].values, "model_type": "kimi_k2",
+              "architectures": ["DeepseekV3ForCausalLM"],
+              "auto_map": {"AutoConfig": "configuration_deepseek.DeepseekV3Config"}}
+    (tmp_path / "config.json").write_text(json.dumps(values))
+    with pytest.raises(ValueError, match="trust_remote_code"):
+        AutoConfig.from_pretrained(tmp_path)
+    config = read_config(str(tmp_path))
+    assert type(config).__name__ == "DeepseekV3Config" and config.model_type == "deepseek_v3"
+    assert (config.n_routed_experts, config.num_attention_heads, config.head_dim, config.kv_lora_rank) == (384, 64, 64, 512)
+    assert config.rope_parameters["factor"] == 32 and "auto_map" not in config.to_dict()
+    assert family("kimi_k2") is family(config.model_type) is FAMILIES["deepseek_v3"]
+
+
+def test_deepseek_v3_plan_caches_one_latent_per_token_and_counts_mla_activations() -> None:
+    """Hand-computed for DeepSeek-V3 in bf16. vLLM's MLA caches one latent per token and layer, kv_lora_rank 512 + the
+    64-wide rope key, for all 128 heads and whole on every TP rank: 61 x 576 x 2 B = 70,272 B per token at any TP
+    (per-head keys and values would be 2 x 61 x 128 x 192 x 2 B = 6 MB). Activations (8,192 tokens, bf16,
+    checkpointed): one layer's 6 x 7168 + MLA's 2 x 1536 + 2 x 512 + 64 (latents and their norms) + 2 x 128 x 192
+    (the query before and after rope) + 128 x (128 + 128) (the expanded latent, values a view of it) + 128 x 192
+    (the keys) = 110,656 + 8 x (7168 + 3 x 2048) + (7168 + 3 x 2048) (routed and shared experts) = 273,472 per
+    token, plus 61 layer inputs of 7168. The engine's FP8 weights: the 669,173,039,104 decoder-layer parameters in
+    1 B, the embedding and head (2 x 129280 x 7168) and final norm in bf16: 672,879,769,600 B, over TP 8."""
+    from rlray.models.cache import cache_bytes
+    from rlray.models.catalog import architecture
+    from rlray.orchestration.memory import attention_width
+    from rlray.orchestration.plan import make_plan
+    from tests.unit.test_plan import composed
+
+    for name in ("deepseek-ai/DeepSeek-V3", "moonshotai/Kimi-K2-Instruct"):
+        hf = architecture(name)[0]
+        assert cache_bytes(hf, 1, 2) == cache_bytes(hf, 8, 2) == (61 * (512 + 64) * 2, 0.0) == (70_272, 0.0)
+    plan = make_plan(composed("+recipe=deepseek_v3"))
+    assert plan.problems() == [] and plan.gpus == 160 and plan.shape.moe_layers == 58
+    assert attention_width(plan.shape) == 2 * 1536 + 2 * 512 + 64 + 2 * 128 * 192 + 128 * 256 + 128 * 192 == 110_656
+    assert plan.trainer["activations"] == 61 * 8192 * 7168 * 2 + 8192 * 2 * (6 * 7168 + 110_656 + 9 * (7168 + 3 * 2048))
+    root = 2 * 129280 * 7168 + 7168
+    assert 671_026_404_352 - root == 669_173_039_104
+    assert plan.engine["weights"] == (669_173_039_104 + 2 * root) / 8 == 672_879_769_600 / 8
+    assert plan.engine["per token"] == 70_272 and plan.engine["per sequence"] == 0
+    assert "(the latents of 61 MLA layers, 68.6 KiB per token, whole on every tensor-parallel worker)" in plan.render()
+    assert "rollout: 4 engines x tensor_parallel_size=8, bfloat16, fp8 weights" in plan.render()
+
+
+def test_deepseek_v3_and_kimi_k2_engines_that_one_node_cannot_hold_say_so_in_one_line() -> None:
+    """One engine is one Ray bundle, one node of 8 x 141 GB, 0.85 of each for vLLM (959 GB). DeepSeek-V3's bf16 weights
+    are 2 x 671.03B = 1342 GB; in FP8 673 GB, which fit. Kimi-K2's FP8 weights are 1,026,408,209,408 - 2,348,817,408
+    (embedding, head, final norm) in 1 B plus those in 2 B: 1029 GB, 128.59 GB per GPU; with 2 GB of activations and
+    one 4,096-token sequence's latents (70,272 x 4,096 B) they need GPUs of (128.59 + 2 + 0.29) / 0.85 = 154 GB."""
+    from rlray.orchestration.plan import make_plan
+    from tests.unit.test_config import launch
+    from tests.unit.test_plan import composed
+
+    bf16 = make_plan(composed("+recipe=deepseek_v3", "rollout.quantization="))
+    assert bf16.problems() == [("rollout: deepseek-ai/DeepSeek-V3 needs 1342 GB for its bfloat16 weights alone; one "
+                                "engine is one Ray bundle, on one node: cluster.gpus_per_node=8 x 141 GB, 0.85 of each "
+                                "for vLLM (959 GB); set rollout.quantization=fp8 (673 GB)")]
+    from pathlib import Path
+
+    result = launch("+recipe=kimi_k2", "dry_run=true", cwd=str(Path(__file__).resolve().parents[2]))
+    assert result.returncode == 1 and "plan fits" not in result.stdout
+    assert result.stderr.strip().splitlines() == [(
+        "config error: rollout: moonshotai/Kimi-K2-Instruct needs 1029 GB for its FP8 weights alone; one engine is one "
+        "Ray bundle, on one node: cluster.gpus_per_node=8 x 141 GB, 0.85 of each for vLLM (959 GB); rlray has no engine "
+        "across nodes: it fits a node of GPUs of 154 GB or more (cluster.gpu_memory_gb)")]
+    assert (1_026_408_209_408 - 2_348_817_408 + 2 * 2_348_817_408) / 8 / 1e9 == 128.594628352
+    assert round((128.594628352 + 2 + 70_272 * 4096 / 1e9) / 0.85) == 154
+
+
+@pytest.mark.parametrize("recipe", ["deepseek_v3", "kimi_k2"])
+def test_deepseek_v3_and_kimi_k2_recipes_compose_to_the_tiny_cpu_twin(recipe: str) -> None:
+    """The twin: a tiny random DeepSeek-V3 (its MLA head 512 + 64, 2 layers: 2 x 576 x 2 B = 2,304 B per token), experts
+    over 2 ranks with router replay, a bf16 CPU engine without the recipe's FP8 (vLLM's FP8 kernels are CUDA ones)."""
+    from rlray.orchestration.plan import make_plan
+    from tests.unit.test_plan import composed
+
+    twin = make_plan(composed(f"+recipe={recipe}", "+twin=cpu"))
+    c = twin.c
+    assert (c.model.name, c.model.arch, c.trainer.ep, c.trainer.router_replay) == ("tiny", "deepseek_v3", 2, True)
+    assert (c.rollout.dtype, c.rollout.quantization, c.rollout.gpus_per_actor) == ("bfloat16", "", 0)
+    assert twin.problems() == [] and twin.shape.arch == "DeepseekV3ForCausalLM" and twin.shape.moe_layers == 1
+    assert twin.engine["per token"] == 2 * 576 * 2

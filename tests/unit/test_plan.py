@@ -124,8 +124,23 @@ def test_engine_shapes_that_cannot_serve_are_named() -> None:
         validate(c)  # the GPUs per engine: a config check, before the plan (and before torch)
     c.rollout.tensor_parallel_size, c.rollout.gpus_per_actor = 1, 1
     c.rollout.kv_cache_gb, c.cluster.gpu_memory_gb, c.rollout.kv_cache_fraction = 0, 1, 0.5
-    assert any("leaving no KV cache" in p for p in make_plan(c).problems())
+    # half of a 1 GB GPU never holds the engine's 2 GB of activations, at any tensor parallelism a node allows
+    assert any("one engine is one Ray bundle, on one node: cluster.gpus_per_node=8 x 1 GB, 0.5 of each for vLLM (4 GB); "
+               "rlray has no engine across nodes: it fits a node of GPUs of 4 GB or more" in p for p in make_plan(c).problems())
     assert make_plan(c).engine["KV cache"] == 0 < GB
+
+
+def test_an_engine_grows_to_one_node_and_no_further() -> None:
+    """GLM-4.5-Air's 214 GB of bf16 weights leave no KV cache in 0.85 x 141 GB at TP 1, and do at TP 8: more GPUs per
+    engine; 16 GPUs are more than one node (one Ray bundle) holds."""
+    one = make_plan(composed("+recipe=glm_moe", "rollout.tensor_parallel_size=1", "rollout.gpus_per_actor=1"))
+    assert one.problems() == [("rollout: zai-org/GLM-4.5-Air takes 214 GB per GPU at tensor_parallel_size=1, leaving no "
+                               "KV cache for one 4096-token sequence in 0.85 x 141 GB; raise rollout.tensor_parallel_size "
+                               "and rollout.gpus_per_actor together (up to cluster.gpus_per_node=8), or "
+                               "rollout.kv_cache_fraction")]
+    wide = make_plan(composed("+recipe=glm_moe", "rollout.tensor_parallel_size=16", "rollout.gpus_per_actor=16"))
+    assert wide.problems() == [("rollout.gpus_per_actor=16 but cluster.gpus_per_node=8: an engine is one Ray bundle, "
+                                "which one node holds; lower rollout.tensor_parallel_size and rollout.gpus_per_actor to 8")]
 
 
 def published_mismatch(entry, shape) -> list[str]:
@@ -136,9 +151,9 @@ def published_mismatch(entry, shape) -> list[str]:
     out = [] if entry.exact in (None, shape.params) else [f"total: counted {shape.params:,}, exactly {entry.exact:,}"]
     for what, quoted, counted in (("total", entry.params, shape.params),
                                   ("active", entry.active, shape.active_params - uncounted)):
-        number = quoted.removesuffix("B")
-        unit = 10.0 ** -len(number.partition(".")[2]) * 1e9
-        if abs(counted - float(number) * 1e9) >= unit:
+        number, scale = quoted[:-1], {"B": 1e9, "T": 1e12}[quoted[-1]]
+        unit = 10.0 ** -len(number.partition(".")[2]) * scale
+        if abs(counted - float(number) * scale) >= unit:
             out.append(f"{what}: counted {counted / 1e9:.2f}B, the card says {quoted}")
     return out
 
@@ -154,17 +169,26 @@ def test_every_catalog_entry_has_its_published_size(name: str) -> None:
 DOCUMENTED = {"Qwen/Qwen3-Next-80B-A3B-Instruct": "Qwen3NextConfig", "Qwen/Qwen3.5-35B-A3B": "Qwen3_5MoeTextConfig"}
 
 
+def head_widths(entry) -> tuple[str, ...]:
+    """The config keys of an entry's attention head widths: `head_dim`; multi-head latent attention's query, rope
+    and value widths (transformers sets its `head_dim` to the rope width, whatever the config says)."""
+    from rlray.config.families import family
+
+    return ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim") if family(entry.model_type).mla else ("head_dim",)
+
+
 @pytest.mark.parametrize("name", sorted(set(CATALOG) - set(DOCUMENTED)))
 @pytest.mark.parametrize("factor", [0.5, 0.75, 1.5])
 def test_a_mistyped_head_dim_in_the_catalog_is_caught(name: str, factor: float) -> None:
-    from transformers import AutoConfig
+    from rlray.models.catalog import for_model
 
     entry = CATALOG[name]
     text = entry.values.get("text_config", entry.values)  # a vision-language model: the language model's head_dim
-    typo = {**text, "head_dim": int(text["head_dim"] * factor)}
-    values = {**entry.values, "text_config": typo} if "text_config" in entry.values else typo
-    wrong = AutoConfig.for_model(entry.model_type, **values)
-    assert published_mismatch(entry, model_shape(wrong, name))
+    for key in head_widths(entry):
+        typo = {**text, key: int(text[key] * factor)}
+        values = {**entry.values, "text_config": typo} if "text_config" in entry.values else typo
+        wrong = for_model(entry.model_type, values)
+        assert published_mismatch(entry, model_shape(wrong, name)), key
 
 
 @pytest.mark.parametrize("name", sorted(DOCUMENTED))
