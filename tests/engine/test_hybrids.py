@@ -176,12 +176,34 @@ def test_hybrid_exported_served_synced_and_routed(loop_thread: LoopThread, tmp_p
         close(loop_thread, actor, eng)
 
 
-def test_an_mxfp4_checkpoint_trains_dequantized_and_its_engine_takes_the_first_sync(loop_thread: LoopThread,
-                                                                                   tmp_path: Path) -> None:
-    """gpt-oss as the hub ships it, experts in MXFP4 (tests/mxfp4.py packs the twin's): the trainer's weights are the
-    dequantized values exactly, its export is plain (no quantization_config; the values again), and an engine
-    started from the MXFP4 folder as the rollout actor starts it (rlray.models.quantized.engine_route: bf16 model,
-    dummy weights) equals the trainer once the first sync has filled it, and not before."""
+QUANTIZED = {"gpt_oss": "mxfp4", "deepseek_v3": "fp8"}
+
+
+def with_router_biases(twin: Path, folder: Path) -> Path:
+    """A copy of `twin` whose routers' correction biases (transformers initialises them to 0) are random and large
+    enough to move tokens to other experts."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(twin, folder)
+    tensors = load_file(str(folder / "model.safetensors"))
+    g = torch.Generator().manual_seed(5)
+    for name in [n for n in tensors if n.endswith("e_score_correction_bias")]:
+        tensors[name] = torch.randn(tensors[name].shape, generator=g)
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    return folder
+
+
+@pytest.mark.parametrize("arch", list(QUANTIZED))
+def test_a_quantized_checkpoint_trains_dequantized_and_its_engine_takes_the_first_sync(loop_thread: LoopThread,
+                                                                                      tmp_path: Path, arch: str) -> None:
+    """gpt-oss as the hub ships it, experts in MXFP4 (tests/mxfp4.py packs the twin's), and DeepSeek-V3's FP8 in
+    128x128 blocks (tests/fp8.py): the trainer's weights are the dequantized values exactly, its export is plain (no
+    quantization_config; the values again), and an engine started from the quantized folder as the rollout actor starts
+    it (rlray.models.quantized.engine_route: an unquantized model, dummy weights) equals the trainer once the first
+    sync has filled it, and not before: in fp32 to float error, in bf16 within the mismatch budget (DeepSeek-V3's
+    routing included: its correction biases come with the sync, the dummy ones would route elsewhere)."""
     import json
 
     from safetensors.torch import load_file
@@ -192,34 +214,39 @@ def test_an_mxfp4_checkpoint_trains_dequantized_and_its_engine_takes_the_first_s
     from rlray.models.load import read_config
     from rlray.models.quantized import engine_route
     from rlray.models.tiny import model_path
+    from tests.fp8 import fp8_checkpoint
     from tests.mxfp4 import mxfp4_checkpoint
 
-    folder = tmp_path / "mxfp4"
-    reference = mxfp4_checkpoint(Path(model_path(TWINS["gpt_oss"])), folder)
-    cfg = ModelConfig(name=str(folder), arch="gpt_oss")
-    actor = TrainerActor(0, 1, "127.0.0.1:0", cfg, TrainerConfig(num_ranks=1, router_replay=True), algo_config(loss="dapo"),
+    folder, kwargs = tmp_path / QUANTIZED[arch], engine_kwargs(arch)
+    quantize = mxfp4_checkpoint if QUANTIZED[arch] == "mxfp4" else fp8_checkpoint
+    reference = quantize(with_router_biases(Path(model_path(TWINS[arch])), tmp_path / "source"), folder)
+    cfg = ModelConfig(name=str(folder), arch=arch)
+    actor = TrainerActor(0, 1, "127.0.0.1:0", cfg, TrainerConfig(num_ranks=1, router_replay=True,
+                                                               param_dtype=kwargs["dtype"]), algo_config(loss="dapo"),
                          "gloo", 1.0)
     actor.serve_group()
     actor.setup()
     eng = None
     try:
-        held = full(actor.learner.model)
-        assert held.keys() <= reference.keys() and all(torch.equal(held[k], reference[k]) for k in held)
-        actor.export_hf(str(tmp_path / "hf"))
+        actor.export_hf(str(tmp_path / "hf"))  # the trainer's weights under the checkpoint's names (per expert)
         exported = load_file(str(next((tmp_path / "hf").glob("*.safetensors"))))
         assert "quantization_config" not in json.loads((tmp_path / "hf" / "config.json").read_text())
-        assert exported.keys() == reference.keys() and all(torch.equal(exported[k], reference[k]) for k in reference)
-        kwargs = {**engine_route(read_config(str(folder))), **engine_kwargs("gpt_oss")}
-        eng = engine_in_group(loop_thread, actor, folder, kwargs, True)
-        prompt, completion, sample = sampled(loop_thread, eng, "rev:mxfp4=", 16)
+        assert exported.keys() == reference.keys()  # in the trainer's dtype: the dequantized values rounded once
+        assert all(torch.equal(exported[k], reference[k].to(exported[k].dtype)) for k in reference)
+        eng = engine_in_group(loop_thread, actor, folder, {**engine_route(read_config(str(folder))), **kwargs}, True)
+        prompt, completion, sample = sampled(loop_thread, eng, f"rev:{QUANTIZED[arch]}=", 16)
         with torch.no_grad():
             mb = pack([sample], 1, micro_batch_tokens=4096, pad_id=0)[0][0]
-            ours = actor.learner._token_logprobs(model_inputs(mb, actor.device), 1.0)[0, len(prompt):len(sample)].double()
-        gap = lambda lp: float((ours - torch.tensor(lp, dtype=torch.float64)).abs().max())
+            ours = actor.learner._token_logprobs(model_inputs(mb, actor.device), 1.0)[0, len(prompt):len(sample)]
+        fp32 = kwargs["dtype"] == "float32"
+        gap = lambda lp: float((ours.double() - torch.tensor(lp, dtype=torch.float64)).abs().max()) if fp32 else \
+            mismatch(ours, lp)
         dummy = gap(list(sample.logprobs))
         actor.broadcast_weights(1)
         synced = gap(loop_thread.run(eng.score(prompt + completion, len(prompt))))
-        print(f"mxfp4 gpt-oss: max |logprob gap| with dummy weights {dummy:.2e}, after the first sync {synced:.2e}")
-        assert synced < EQUAL < dummy, (dummy, synced)
+        print(f"{QUANTIZED[arch]} {arch}: {'max |logprob gap|' if fp32 else 'mismatch KL'} with dummy weights "
+              f"{dummy:.2e}, after the first sync {synced:.2e}")
+        bound = EQUAL if fp32 else BUDGET
+        assert synced < bound < dummy, (dummy, synced)
     finally:
         close(loop_thread, actor, eng)
