@@ -84,3 +84,29 @@ def step_sums(t: Any, data: list[Sample], world: int, rank: int, packed: bool, c
     loss = torch.tensor(sums["loss"], dtype=torch.float64)
     dist.all_reduce(loss)
     return {"loss": float(loss) / sums["_norm"], "grads": full_grads(t.model), "rows": sum(len(m.input_ids) for m in mbs)}
+
+
+@torch.no_grad()
+def reference_logprobs(path: str, data: list[Sample], **kwargs: Any) -> list[np.ndarray]:
+    """transformers alone (`from_pretrained(path, **kwargs)`, fp32), on each sequence alone: the logprobs of each
+    sample's completion at temperature 0.7."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kwargs).eval()
+    out = []
+    for s in data:
+        ids = torch.tensor(np.concatenate([s.prompt_ids, s.completion_ids]))[None]
+        lp = torch.log_softmax(model(input_ids=ids, use_cache=False).logits[0, len(s.prompt_ids) - 1:-1] / 0.7, -1)
+        out.append(lp.gather(1, torch.tensor(s.completion_ids)[:, None])[:, 0].numpy())
+    return out
+
+
+def scored(t: Any, data: list[Sample]) -> list[np.ndarray]:
+    """Trainer `t`'s logprobs of each sample's completion (temperature 0.7), every sequence in one packed row, longest
+    first."""
+    from rlray.data.layout import model_inputs
+
+    mb = pack(data, 1, micro_batch_tokens=10_000, pad_id=0)[0][0]
+    with torch.no_grad():
+        got = t.learner._token_logprobs(model_inputs(mb, t.device), 0.7).numpy()
+    return [got[n, len(s.prompt_ids):len(s)] for n, s in enumerate(sorted(data, key=len, reverse=True))]

@@ -25,11 +25,9 @@ import torch.distributed as dist
 
 from rlray.algo.loss import algo_config
 from rlray.config import ModelConfig, TrainerConfig
-from rlray.data.layout import model_inputs
-from rlray.data.packing import Sample, pack
 from rlray.models.tiny import model_path
 from rlray.parallel.expert import moe_experts
-from tests.dist.common import SHAPE, assert_grads_close, samples, spawn, step_sums
+from tests.dist.common import SHAPE, assert_grads_close, reference_logprobs, samples, scored, spawn, step_sums
 
 BIAS = "model.layers.1.mlp.gate.e_score_correction_bias"
 
@@ -43,20 +41,6 @@ def biased_twin(folder: Path) -> str:
     tensors[BIAS] = torch.randn(tensors[BIAS].shape, generator=torch.Generator().manual_seed(3)) * 0.5
     save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
     return str(folder)
-
-
-@torch.no_grad()
-def reference_logprobs(path: str, data: list[Sample]) -> list[np.ndarray]:
-    """transformers alone, on each sequence alone, temperature 0.7."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    out = []
-    for s in data:
-        ids = torch.tensor(np.concatenate([s.prompt_ids, s.completion_ids]))[None]
-        lp = torch.log_softmax(model(input_ids=ids, use_cache=False).logits[0, len(s.prompt_ids) - 1:-1] / 0.7, -1)
-        out.append(lp.gather(1, torch.tensor(s.completion_ids)[:, None])[:, 0].numpy())
-    return out
 
 
 def worker(rank: int, world: int, port: int, out: dict, path: str) -> None:
@@ -76,10 +60,7 @@ def worker(rank: int, world: int, port: int, out: dict, path: str) -> None:
         t.setup()
         result["cp"] = step_sums(t, data, world, rank, True, cp=world)
     if world == 1:
-        mb = pack(data, 1, micro_batch_tokens=10_000, pad_id=0)[0][0]  # every sequence in one packed row
-        with torch.no_grad():
-            got = t.learner._token_logprobs(model_inputs(mb, t.device), 0.7).numpy()
-        result["scored"] = [got[n, len(s.prompt_ids):len(s)] for n, s in enumerate(sorted(data, key=len, reverse=True))]
+        result["scored"] = scored(t, data)
     if rank == 0:
         out.update(result)
     dist.destroy_process_group()

@@ -23,12 +23,10 @@ import torch.distributed as dist
 
 from rlray.algo.loss import algo_config
 from rlray.config import ModelConfig, TrainerConfig
-from rlray.data.layout import model_inputs
-from rlray.data.packing import Sample, pack
 from rlray.models.attention import switch_sinks
 from rlray.models.tiny import model_path
 from rlray.parallel.expert import moe_experts
-from tests.dist.common import SHAPE, assert_grads_close, samples, spawn, step_sums
+from tests.dist.common import SHAPE, assert_grads_close, reference_logprobs, samples, scored, spawn, step_sums
 
 WINDOW = 4  # the twin's sliding window (rlray.config.families)
 
@@ -48,28 +46,6 @@ def biased_twin(folder: Path) -> str:
     return str(folder)
 
 
-@torch.no_grad()
-def reference_logprobs(path: str, data: list[Sample]) -> list[np.ndarray]:
-    """transformers alone (its eager attention: sinks, the window's mask), on each sequence alone, temperature 0.7."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
-    out = []
-    for s in data:
-        ids = torch.tensor(np.concatenate([s.prompt_ids, s.completion_ids]))[None]
-        lp = torch.log_softmax(model(input_ids=ids, use_cache=False).logits[0, len(s.prompt_ids) - 1:-1] / 0.7, -1)
-        out.append(lp.gather(1, torch.tensor(s.completion_ids)[:, None])[:, 0].numpy())
-    return out
-
-
-def _scored(t, data: list[Sample]) -> list[np.ndarray]:
-    """The trainer's logprobs of each sample's completion, every sequence in one packed row."""
-    mb = pack(data, 1, micro_batch_tokens=10_000, pad_id=0)[0][0]
-    with torch.no_grad():
-        got = t.learner._token_logprobs(model_inputs(mb, t.device), 0.7).numpy()
-    return [got[n, len(s.prompt_ids):len(s)] for n, s in enumerate(sorted(data, key=len, reverse=True))]
-
-
 def worker(rank: int, world: int, port: int, out: dict, path: str) -> None:
     from rlray.actors.trainer import TrainerActor
 
@@ -80,9 +56,9 @@ def worker(rank: int, world: int, port: int, out: dict, path: str) -> None:
     result = {packed: step_sums(t, data, world, rank, packed) for packed in (True, False)}
     result["experts"] = [(m.num_experts, m.down_proj_bias.to_local().shape[0]) for _, m in moe_experts(t.model)]
     if world == 1:
-        result["scored"] = _scored(t, data)
+        result["scored"] = scored(t, data)
         result["sinks"] = switch_sinks(t.model, False)
-        result["no sinks"] = _scored(t, data)
+        result["no sinks"] = scored(t, data)
         switch_sinks(t.model, True)
     if rank == 0:
         out.update(result)
@@ -102,7 +78,7 @@ def one(twin: str) -> dict:
 def test_one_process_equals_transformers_with_sinks_and_windows(one: dict, twin: str) -> None:
     data = sorted(samples(), key=len, reverse=True)
     assert max(len(s) for s in data) > 4 * WINDOW
-    want = reference_logprobs(twin, data)
+    want = reference_logprobs(twin, data, attn_implementation="eager")  # its eager attention: sinks, windows
     errors = [np.abs(got - w).max() for got, w in zip(one["scored"], want)]
     assert max(errors) < 1e-5, errors
     off = max(np.abs(got - w).max() for got, w in zip(one["no sinks"], want))
