@@ -12,6 +12,7 @@ Contract:
 - LoRA: `rlray_lora_start()` makes the worker serve the adapter its transfer engine last received
   (rlray.weightsync.lora.serve_from_memory); `rlray_expect_adapter(config)` announces that the
   next weight update is an adapter (config: PEFT's adapter_config) or base weights (None).
+- `rlray_weights_received()`: the bytes the worker's transfer engine received in its last update (m2n counts).
 """
 
 from __future__ import annotations
@@ -37,6 +38,10 @@ class WorkerExtension:
 
     def rlray_expect_adapter(self, config: dict[str, Any] | None) -> None:
         self.weight_transfer_engine.expect_adapter(config)
+
+    def rlray_weights_received(self) -> int:
+        """Bytes this worker's transfer engine received in its last update (-1: an engine that does not count)."""
+        return int(getattr(self.weight_transfer_engine, "received", -1))
 
     # ---- routing capture (MoE) ------------------------------------------------------------
     def rlray_routing_start(self) -> tuple[list[int], int]:

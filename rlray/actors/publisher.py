@@ -111,12 +111,57 @@ class WeightPublisher:
 
         return ParamSource(self._wire_meta, lambda: self.full_params(self.wire_dtype))
 
+    def shard_source(self, trainers: int) -> Any:
+        """The many-to-many engine's source (rlray.weightsync.m2n): every wire tensor as a piece of its parameter, the
+        parameters' layouts over the `trainers` ranks, and this rank's local shards, cast, per group."""
+        from rlray.weightsync.boxes import Dims, Wire, layout_of
+        from rlray.weightsync.m2n import ShardSource
+
+        wires, layouts, held, dtypes = [], [], {}, {}
+        for name, p in self._sent():
+            layout = layout_of(p, trainers)
+            if layout not in layouts:
+                layouts.append(layout)
+            dtype = p.dtype if id(p) in self.kept_dtype else self.wire_dtype or p.dtype
+            shape, fused = tuple(p.shape), EXPERTS.match(name) if self.per_expert else None
+            if fused is not None and self._flipped(name):
+                raise ValueError(f"{name}: experts sent per expert from a transposed checkpoint layout have no m2n "
+                                 "plan; set weights.transport=broadcast")
+            parts = self.expert_names.get(fused["param"], (fused["param"],)) if fused else ()
+            pieces = [Wire(f"{fused['prefix']}.{e}.{part}", (shape[1] // len(parts), *shape[2:]), dtype.itemsize,
+                           layouts.index(layout), shape, e, (k, len(parts)))
+                      for e in range(shape[0]) for k, part in enumerate(parts)] if fused else \
+                [Wire(name, (shape[0], shape[2], shape[1]) if self._flipped(name) else shape, dtype.itemsize,
+                      layouts.index(layout), shape, flipped=self._flipped(name))]
+            for wire in pieces:
+                wires.append(wire)
+                held[wire.name], dtypes[wire.name] = (p, layout), dtype
+        config = getattr(self.model.config, "text_config", None) or self.model.config
+        model_type = getattr(self.model.config, "model_type", "")
+        dims = Dims(int(getattr(config, "num_key_value_heads", 0) or 0),
+                    known(model_type) and family(model_type).sliced_experts)
+
+        def shards(group: list[Any]) -> dict[str, tuple[torch.Tensor, Any]]:
+            cast: dict[int, tuple[torch.Tensor, Any]] = {}
+            out = {}
+            for wire in group:
+                p, layout = held[wire.name]
+                if id(p) not in cast:
+                    local = p.detach().to_local() if hasattr(p, "to_local") else p.detach()
+                    cast[id(p)] = (local.to(dtypes[wire.name]), layout.held(tuple(p.shape), self.rank))
+                local, box = cast[id(p)]
+                out[wire.name] = (wire.local(local, box), wire.origin(layout, self.rank))
+            return out
+
+        return ShardSource(wires, layouts, dims, dtypes, shards)
+
     def open(self, spec: TrainerSpec, client: Any) -> None:
         from rlray.weightsync.protocol import trainer_engine
 
         self.close()
         self.client = client
-        self.transfer = trainer_engine(spec, self.rank, client, self.source())
+        source = self.shard_source(spec.trainers) if spec.backend == "m2n_gloo" else self.source()
+        self.transfer = trainer_engine(spec, self.rank, client, source)
         self.base_synced = False  # new engines hold the model's own base
 
     def close(self) -> None:
@@ -141,7 +186,8 @@ class WeightPublisher:
         self.base_synced = True
         seconds = time.perf_counter() - t0
         stats = {**self._stats(), "sync_bytes": sent}
-        return {"sync_seconds": seconds, **(stats if self.rank == 0 else {"sync_bytes": 0.0})}
+        sender = self.rank == 0 or getattr(self.transfer, "info", None) is not None  # m2n: every rank sends
+        return {"sync_seconds": seconds, **(stats if sender else {"sync_bytes": 0.0})}
 
     def _stats(self) -> dict[str, float]:
         stats = getattr(self.transfer, "stats", None)  # rlray's gloo engine counts; vLLM's NCCL one sends all

@@ -41,6 +41,21 @@ def backend(c: Config) -> str:
     return "nccl" if c.trainer.gpus_per_rank > 0 else "gloo"
 
 
+def _check_transport(c: Config) -> None:
+    w = c.weights
+    _require(w.transport in ("broadcast", "m2n"), f"weights.transport={w.transport!r}: choose broadcast or m2n")
+    if w.transport != "m2n":
+        return
+    _require(backend(c) == "gloo", "weights.transport=m2n runs on the gloo weight path (CPU) only: its GPU transport "
+                                   "is a design note (DESIGN.md); set weights.transport=broadcast")
+    _require(not w.delta, "weights.delta=true with weights.transport=m2n: delta syncs are broadcast; set "
+                          "weights.transport=broadcast or weights.delta=false")
+    _require(not c.trainer.lora.enabled, "weights.transport=m2n with trainer.lora.rank > 0: LoRA syncs move only the "
+                                         "adapters, by broadcast; set weights.transport=broadcast")
+    _require(not c.cluster.colocate, "weights.transport=m2n with cluster.colocate=true: the colocated handover "
+                                     "passes memory; set weights.transport=broadcast")
+
+
 def _check_devices(c: Config) -> None:
     """The devices the bundles hold, against what NCCL and gloo accept (config only: no torch, no GPU).
 
@@ -151,6 +166,7 @@ def validate(c: Config) -> None:
     _require(not c.weights.delta or backend(c) == "gloo",
              "weights.delta=true runs on the gloo weight path (CPU) only: on GPUs it needs vLLM's sparse_nccl "
              "engine, which rlray does not drive yet; set weights.delta=false")
+    _check_transport(c)
     _check_family(c)
     _check_lora(c)
     _check_colocate(c)

@@ -23,6 +23,8 @@ def weight_backend(c: Config) -> str:
     """The weight path's backend: ipc or shm when colocated (GPU or CPU), else nccl or gloo."""
     if c.cluster.colocate:
         return "ipc" if c.trainer.gpus_per_rank > 0 else "shm"
+    if c.weights.transport == "m2n":
+        return "m2n_gloo"
     return backend(c)
 
 

