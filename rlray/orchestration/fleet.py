@@ -58,10 +58,12 @@ from rlray.weightsync.transport import TrainerSpec
 POLL_S = 0.5  # a sync in flight looks at the engines this often
 
 
-def _sync_metrics(sent: dict[str, float]) -> dict[str, float]:
-    return {"sync_seconds": sent["sync_seconds"], "sync_mb": sent["sync_bytes"] / 1e6,
-            "sync_changed_frac": sent["changed_frac"],
-            "sync_gb_per_s": sent["sync_bytes"] / max(sent["sync_seconds"], 1e-9) / 1e9}
+def _sync_metrics(ranks: list[dict[str, float]]) -> dict[str, float]:
+    """A sync's metrics from every trainer rank's: the bytes all of them sent (only rank 0 sends a broadcast)."""
+    sent, nbytes = ranks[0], sum(r["sync_bytes"] for r in ranks)
+    return {"sync_seconds": sent["sync_seconds"], "sync_mb": nbytes / 1e6, "sync_changed_frac": sent["changed_frac"],
+            "sync_gb_per_s": nbytes / max(sent["sync_seconds"], 1e-9) / 1e9,
+            "sync_mb_busiest": max(r["sync_bytes"] for r in ranks) / 1e6}
 
 
 class RolloutFleet:
@@ -167,7 +169,7 @@ class RolloutFleet:
             ready, _ = ray.wait(sends, num_returns=len(sends), timeout=POLL_S)
             failed = list(errors(ready, 0).values())
             if len(ready) == len(sends) and not failed:
-                return _sync_metrics(ray.get(sends[0])), {}
+                return _sync_metrics(ray.get(sends)), {}
             if failed or time.monotonic() > deadline:
                 break
             lost = self._dead()

@@ -54,11 +54,15 @@ def test_glm_moe_twin_trains_with_ep_checkpoints_and_resumes(ray_cluster, tmp_pa
 
 
 def test_qwen3_moe_twin_stays_within_its_mismatch_budget(ray_cluster, tmp_path) -> None:
+    """Synced many-to-many (weights.transport=m2n): both trainer ranks send their own experts and shards."""
     c = tiny_config(tmp_path, "+recipe=qwen3_moe", "+twin=cpu", "rl.steps=3", "checkpoint.every=0",
-                    "eval.num_examples=4", *BF16)
-    assert (c.model.arch, c.trainer.ep) == ("qwen3_moe", 2)
+                    "eval.num_examples=4", "weights.transport=m2n", *BF16)
+    assert (c.model.arch, c.trainer.ep, c.trainer.num_ranks) == ("qwen3_moe", 2, 2)
     run(c)
-    assert_within_budget(c, rl_records(c.run.dir))
+    rl = rl_records(c.run.dir)
+    assert_within_budget(c, rl)
+    synced = [r for r in rl if "sync_mb" in r]
+    assert synced and all(0 < r["sync_mb_busiest"] < 0.6 * r["sync_mb"] for r in synced), synced  # both ranks send
 
 
 def test_a_connected_cluster_is_checked_against_the_plan(ray_cluster) -> None:

@@ -135,3 +135,32 @@ def kill(actor) -> None:  # type: ignore[no-untyped-def]
         except ray.exceptions.GetTimeoutError:  # a loaded machine: ask again
             pass
         assert time.monotonic() < deadline, "Ray did not report the killed rollout actor dead within 120 s"
+
+
+def test_an_engine_killed_mid_m2n_sync_is_replaced_and_the_resync_is_exact(ray_cluster, tmp_path,
+                                                                             monkeypatch) -> None:
+    """weights.transport=m2n, 2 trainer ranks: the engine dies while the workers wait for trainer rank 1's slices
+    (rank 1 frozen); the ranks' sends to it fail, every end of the group closes, the engine is replaced and the
+    sync repeated into the new one, which then scores as the trainer does (on-policy mismatch at float error)."""
+    c = tiny_config(tmp_path, rl={"steps": 4}, async_={"max_off_policy_steps": 0},
+                    weights={"transport": "m2n", "group_timeout_s": 60})
+    c.stages = ["rl"]
+    assert c.trainer.num_ranks == 2
+    real_broadcast, killed, problems = RolloutFleet._broadcast, [], []
+
+    def broadcast_losing_an_engine(self: RolloutFleet, version: int) -> tuple:
+        if self.loops and version == 2 and not killed:
+            killed.append(version)
+            kill_engine_mid_broadcast(self, problems)
+        return real_broadcast(self, version)
+
+    monkeypatch.setattr(RolloutFleet, "_broadcast", broadcast_losing_an_engine)
+    out: dict = {}
+    thread = threading.Thread(target=lambda: out.update(summary=run(c)), daemon=True)
+    thread.start()
+    thread.join(timeout=600)
+    assert not thread.is_alive() and "summary" in out
+    rl = rl_records(c.run.dir)
+    assert killed == [2] and not problems, problems
+    assert [r["step"] for r in rl] == list(range(4)) and rl[-1]["rollout_restarts"] == 1
+    assert all(r["lag_max"] == 0 for r in rl) and max(r["mismatch_kl"] for r in rl) < 1e-5

