@@ -9,9 +9,9 @@ Contract:
 - Trainer side (`M2NTrainerWeightTransferEngine`): `trainer_init` on every trainer rank; rank 0 serves the group's
   store, hands its port to the others over the trainer's default group and inits the workers (from a side thread:
   they block in the join). The source is a `ShardSource`: the wire tensors (boxes.Wire), the parameters' layouts,
-  the loader dims and each group's local shards. `send_weights()` on every rank: rank 0 starts the update and tells
-  the others whether it did (a broadcast on the default group, so no rank sends to workers that will not receive),
-  asks the workers to receive (side thread), then every rank packs, per layer group and worker, the pieces it holds
+  the loader dims and each group's local shards. `send_weights()` on every rank, with no collective among the
+  trainer ranks (one frozen or slow rank holds up only the workers waiting for its slices): rank 0 starts the
+  update and asks the workers to receive (side thread), then every rank packs, per layer group and worker, the pieces it holds
   into one 16-byte-aligned message and sends it (tagged by group; two buffers per link, so a group is packed while
   the one before is on the wire); rank 0 finishes. Returns the bytes this rank sent; `stats` as the gloo engine's.
 - Worker side (`M2NWeightTransferEngine`): init joins the group and plans; each update receives group g+1 while it
@@ -19,7 +19,8 @@ Contract:
   no memory; NaN-filled with `RLRAY_WEIGHTS_POISON=1`, so a plan that misses a byte the loaders read shows as NaN
   logprobs), handed to vLLM's layerwise reload as today's path does, with the same CPU fix-ups at finish.
 - Failure: any rank whose send or receive fails closes its end of the group, which fails the peers blocked on it;
-  nothing waits longer than `timeout_s` (weights.group_timeout_s).
+  a rank whose workers never receive (rank 0 could not start them) waits until the fleet closes its end from the
+  control thread, as for a broadcast, or `timeout_s` (weights.group_timeout_s) passes.
 - The transport is gloo point-to-point on the bare `ProcessGroupGloo` (`pg.send([t], dst, tag)` / `pg.recv`); on
   GPUs vLLM's NCCL communicator's grouped send/recv would carry the same messages (DESIGN.md's note).
 """
@@ -282,16 +283,12 @@ class M2NTrainerWeightTransferEngine(TrainerWeightTransferEngine[M2NTrainerInitI
 
     def send_weights(self) -> int:
         """One sync; returns the bytes this rank sent."""
-        failed: Exception | None = None
         if self.rank == 0:
             try:
                 self.client.start_weight_update()
-            except Exception as e:  # the other ranks must hear of it before they send
-                failed = e
-        if not _from_rank0(failed is None, self.info.trainers):
-            if failed is not None:
-                raise failed
-            raise RuntimeError("trainer rank 0 could not start the engines' weight update")
+            except Exception:
+                self.shutdown()  # the other ranks' sends fail once the fleet closes their ends (or time out)
+                raise
         pool = ThreadPoolExecutor(max_workers=1)
         try:
             received = pool.submit(self.client.update_weights, asdict(M2NUpdateInfo(self.syncs))) \

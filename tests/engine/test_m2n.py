@@ -4,7 +4,8 @@ engines, TP 2 and TP 1, their receive buffers poisoned with NaN (RLRAY_WEIGHTS_P
 shards and sync: every rank sends its own slices, and the bytes each rank sent and each worker received are the
 plan's exactly (a TP 2 worker at most 0.55x of the whole model, which today's broadcast sends it); the engines then
 score tokens as transformers does on the gathered weights (fp32: 1e-5 at TP 1, 1e-3 at TP 2), finite, so the plan
-covers every byte their loaders read."""
+covers every byte their loaders read, and the TP 2 engine's logprobs are bit for bit those of a third engine of the
+same shape synced by today's broadcast."""
 
 from __future__ import annotations
 
@@ -49,12 +50,17 @@ def worker(rank: int, world: int, port: int, out: dict, path: str) -> None:
         os.environ["RLRAY_WEIGHTS_POISON"] = "1"
         loop = LoopThread()
         engines = [start_engine(loop, path, "float32", 2, backend="m2n_gloo"),
-                   start_engine(loop, path, "float32", 1, backend="m2n_gloo")]
-        client = EngineClient(loop, engines)
+                   start_engine(loop, path, "float32", 1, backend="m2n_gloo"),
+                   start_engine(loop, path, "float32", 2, backend="gloo")]  # today's broadcast, the same shape
+        client, broadcast = EngineClient(loop, engines[:2]), EngineClient(loop, engines[2:])
+    else:
+        broadcast = SimpleNamespace()
     publisher = WeightPublisher(model, torch.device("cpu"), rank, torch.float32)
+    today = WeightPublisher(model, torch.device("cpu"), rank, torch.float32)
     try:
         publisher.open(TrainerSpec("m2n_gloo", "127.0.0.1", 0, world + 3, None, 120.0, trainers=world,
                                    engine_tp=(2, 1)), client)
+        today.open(TrainerSpec("gloo", "127.0.0.1", 0, 1 + 2, None, 120.0), broadcast)
         with torch.no_grad():  # the same noise on every rank, each adding its own box of it
             g = torch.Generator().manual_seed(3)
             for _, p in model.named_parameters():
@@ -62,6 +68,7 @@ def worker(rank: int, world: int, port: int, out: dict, path: str) -> None:
                 local = p.to_local() if hasattr(p, "to_local") else p
                 local.add_(layout_of(p, world).held(tuple(p.shape), rank).of(noise))
         stats = publisher.publish(1)
+        today.publish(1)
         plan = publisher.transfer.plan
         out[f"sent{rank}"] = (stats["sync_bytes"], plan.sent[rank])
         full = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach() for n, p in model.named_parameters()}
@@ -73,7 +80,8 @@ def worker(rank: int, world: int, port: int, out: dict, path: str) -> None:
             expected = torch.log_softmax(logits, -1).gather(1, torch.tensor(TOKENS[1:])[:, None])[:, 0]
             out["expected"] = expected.numpy()
             out["scored"] = [np.array(loop.run(e.score(TOKENS, 1))) for e in engines]
-            out["received"] = [r for e in engines for r in loop.run(e.llm.collective_rpc("rlray_weights_received"))]
+            out["received"] = [r for e in engines[:2]
+                               for r in loop.run(e.llm.collective_rpc("rlray_weights_received"))]
             out["planned"] = list(plan.received)
             out["whole"] = sum(math.prod(w.shape) * w.itemsize for w in publisher.transfer.source.wires)
             out["messages"] = plan.messages
@@ -83,6 +91,7 @@ def worker(rank: int, world: int, port: int, out: dict, path: str) -> None:
         if loop is not None:
             loop.close()
         publisher.close()
+        today.close()
     dist.barrier()
     dist.destroy_process_group()
 
@@ -99,6 +108,8 @@ def test_every_rank_sends_its_slices_to_the_workers_that_read_them(tmp_path: Pat
     assert out["received"] == out["planned"], (out["received"], out["planned"])
     assert max(out["received"][:2]) <= 0.55 * out["whole"], (out["received"], out["whole"])
     assert out["received"][2] == out["whole"]  # the TP 1 worker reads every byte
-    for scored, tol in zip(out["scored"], (1e-3, 1e-5), strict=True):
+    m2n, broadcast = out["scored"][0], out["scored"][2]
+    assert np.array_equal(m2n, broadcast), np.abs(m2n - broadcast).max()  # bit for bit today's path's, TP 2
+    for scored, tol in zip(out["scored"][:2], (1e-3, 1e-5), strict=True):
         assert np.isfinite(scored).all()
         assert np.abs(scored - out["expected"]).max() < tol, np.abs(scored - out["expected"]).max()
