@@ -19,7 +19,9 @@ round robin over the ranks) in one all_to_all per round of `world` units, each r
 dtype they are written in; the owner assembles the unit, renames and writes it. Each rank plans its file first (the
 same conversion on meta tensors), so its safetensors header is written before any data moves and each tensor once
 it is ready (rlray.models.writer). Host memory beyond a rank's shards: its rows of one round's units (about one
-unit) and, of the unit it owns, the rows received and the unit assembled: about one layer's fp32 bytes in all.
+unit) and, of the unit it owns, the rows received and the unit assembled: about one layer's fp32 bytes in all. A
+unit of one tensor (embeddings, head) is the received buffer itself, its bf16 bytes once: with a large vocabulary
+that can exceed a layer.
 
 Why not torch's `HuggingFaceStorageWriter` (torch.distributed.checkpoint.hf_storage): it writes each rank's DTensor
 shards under the names it is given, then its consolidation has rank 0 read every shard back and write every tensor
@@ -121,6 +123,8 @@ class Exporter:
 
     # ---- the plan (every rank computes the same units; each its own file) -------------------------------
     def _units(self) -> list[Unit]:
+        """Each tensor in the unit of its nearest FSDP module below the root, a root-level one alone; owners round
+        robin; per-expert experts apart (`local`), by module."""
         from torch.distributed.fsdp import FSDPModule
 
         fsdp = {n for n, m in self.model.named_modules() if n and isinstance(m, FSDPModule)}
