@@ -16,12 +16,11 @@ Contract (every function is a collective: every rank of the trainer calls it):
   `verify(path, rank, files)` returns one line per file of `files` owned by `rank` that is missing, of
   another size or another crc32. CRC32 streams at ~4 GB/s on one core here (sha256 ~1.7): a check
   costs a fraction of reading the shards back.
-- `export_hf(learner, path, rank, tokenizer_from, merged)`: rank 0 writes a transformers folder
-  (weights in the layout of the family's checkpoints, and the tokenizer of `tokenizer_from`, or its
-  processor for a vision-language model) behind a barrier: trainer.collective_timeout_s must cover
-  the write. With LoRA: `path/adapter` (a PEFT adapter folder: adapter_config.json,
-  adapter_model.safetensors) on its base, `path/base` when SFT trained it, and with `merged`
-  `path/merged`, the adapters merged into the base.
+- `export_hf(learner, path, rank, tokenizer_from, merged)`: a transformers folder (rlray.actors.export: every rank
+  writes its own tensors, in bf16 under the checkpoint's names; rank 0 the index, config and the tokenizer of
+  `tokenizer_from`, or its processor for a vision-language model; renamed into place once complete). With LoRA:
+  `path/adapter` (a PEFT adapter folder: adapter_config.json, adapter_model.safetensors) on its base, `path/base`
+  when SFT trained it, and with `merged` `path/merged`, the adapters merged into the base.
 """
 
 from __future__ import annotations
@@ -39,17 +38,7 @@ import torch
 import torch.distributed as dist
 
 from rlray.actors.learner import Learner
-from rlray.models.load import to_checkpoint_layout
-from rlray.models.lora import (
-    adapted_modules,
-    adapter_config,
-    adapter_tensors,
-    base_tensors,
-    is_adapter,
-    merged_tensors,
-)
-from rlray.models.multimodal import is_vision
-from rlray.parallel.hf import save_pretrained
+from rlray.models.lora import is_adapter
 
 BASE = "lora_base"  # beside the checkpoints: the base SFT trained, for LoRA runs
 
@@ -188,34 +177,6 @@ def weights_digest(model: torch.nn.Module) -> str:
 
 
 def export_hf(learner: Learner, path: str, rank: int, tokenizer_from: str, merged: bool = False) -> None:
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from rlray.actors.export import export_hf as streamed
 
-    model = learner.model
-    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    if rank == 0:
-        from transformers import AutoProcessor, AutoTokenizer
-
-        # a vision-language model's folder gets its processor (image processor, template, tokenizer)
-        tokenizer = (AutoProcessor if is_vision(model.config) else AutoTokenizer).from_pretrained(tokenizer_from)
-        folders: dict[str, dict[str, torch.Tensor]] = {path: full}
-        if _lora(learner):
-            lora, out = learner.cfg.lora, Path(path)
-            folders = {str(out / "base"): base_tensors(full)} if learner.base_trained else {}
-            if merged:
-                folders[str(out / "merged")] = merged_tensors(full, lora)
-            base = str(out / "base") if learner.base_trained else tokenizer_from
-            _write_adapter(out / "adapter", adapter_tensors(full), adapter_config(lora, adapted_modules(model), base))
-            tokenizer.save_pretrained(out / "adapter")
-        for folder, tensors in folders.items():
-            save_pretrained(model, folder, tensors)  # under the checkpoint's names, as transformers writes them
-            to_checkpoint_layout(folder)
-            tokenizer.save_pretrained(folder)
-    dist.barrier()
-
-
-def _write_adapter(folder: Path, tensors: dict[str, torch.Tensor], config: dict[str, Any]) -> None:
-    from safetensors.torch import save_file
-
-    folder.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(folder / "adapter_model.safetensors"))
-    (folder / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    streamed(learner, path, rank, tokenizer_from, merged)

@@ -14,8 +14,8 @@ Contract:
   `forward_backward`, `logprobs`; `offload_optimizer(to_host)` (colocated GPUs) moves its state,
   `make_room(offload)` also returns the allocator's cached memory to the device before the engines wake.
 - State is rlray.actors.state's: `save(dir)` / `load(dir)` (DCP shards, RNG states; both return
-  the weight digest), `weights_digest()`, `export_hf(dir, merged)` (rank 0 writes a transformers
-  folder; with LoRA the adapter folder, see rlray.actors.state), `checksums(dir)` / `verify(dir,
+  the weight digest), `weights_digest()`, `export_hf(dir, merged)` (a transformers folder, every rank
+  writing its own tensors; with LoRA the adapter folder, see rlray.actors.export), `checksums(dir)` / `verify(dir,
   files)` (this rank's files of a checkpoint: their sizes and CRC32s, and what no longer matches).
 - The weight path is the `WeightPublisher`'s (rlray.actors.publisher): `init_weight_group(spec,
   client)`, `broadcast_weights(version)`, `close_weight_group()`, `weight_source()`.

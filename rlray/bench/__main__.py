@@ -16,6 +16,8 @@ BENCHMARKS = {  # subcommand: (module, one line)
     "rollout": ("rlray.bench.rollout_gen", "rlray rollout path tokens/s vs vLLM's LLM.generate"),
     "memory": ("rlray.bench.memory", ("peak memory per trainer rank loading and stepping a dense and an MoE "
                                       "model on 1, 2, 4 ranks, against the full model")),
+    "export": ("rlray.bench.export", ("HF export seconds and peak RSS per trainer rank: streamed (every rank its "
+                                      "own tensors) vs gathered on rank 0")),
     "mismatch": ("rlray.bench.mismatch", ("engine/trainer mismatch KL and router agreement in bf16, router replay "
                                           "off vs on, dense vs MoE, over the same rollouts")),
     "gpu-step": ("rlray.bench.gpu_step", ("trainer step time and MFU of a ~1B dense model and a small MoE "

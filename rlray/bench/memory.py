@@ -128,9 +128,18 @@ def full_load(path: str) -> int:
         return json.loads(Path(out, "full.json").read_text())["load"]
 
 
-def run(args: argparse.Namespace) -> Report:
+def full_bytes(path: str) -> int:
+    """The checkpoint's tensors' bytes in fp32."""
     from safetensors import safe_open
 
+    full = 0
+    for f in Path(path).glob("*.safetensors"):
+        with safe_open(str(f), "pt") as h:
+            full += sum(math.prod(h.get_slice(k).get_shape()) for k in h.keys()) * 4  # noqa: SIM118
+    return full
+
+
+def run(args: argparse.Namespace) -> Report:
     from rlray.models.tiny import model_path
 
     opts = QUICK if args.quick else FULL
@@ -142,10 +151,7 @@ def run(args: argparse.Namespace) -> Report:
                       Column("load_gb", "peak RSS +load GB", "{:.3f}"), Column("step_gb", "peak RSS +step GB", "{:.3f}")]
     for name in models:
         path = model_path(ModelConfig(**MODELS[name]))
-        full = 0
-        for f in Path(path).glob("*.safetensors"):
-            with safe_open(str(f), "pt") as h:
-                full += sum(math.prod(h.get_slice(k).get_shape()) for k in h.keys()) * 4  # noqa: SIM118
+        full = full_bytes(path)
         whole = full_load(path)
         report.rows.append({"model": name, "ranks": "full load", "full_gb": full / 1e9, "load_gb": whole / 1e9})
         for world in ranks:

@@ -86,7 +86,7 @@ class TrainerConfig:
     max_nonfinite_steps: int = 3  # NaN/inf loss or gradient: the step is skipped; this many in a row stop the run
     # a lost trainer rank: the trainer group is re-created from the newest checkpoint this many times in all
     max_restarts: int = 2
-    # The trainer's own process group (FSDP, EP and CP collectives, the barrier behind rank 0's HF export):
+    # The trainer's own process group (FSDP, EP and CP collectives, the HF export's exchanges and barriers):
     # a collective waits at most this long before it fails. Apart from the weight group's timeouts.
     collective_timeout_s: float = 3600.0
     seed: int = 0

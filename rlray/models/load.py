@@ -19,7 +19,8 @@ model in that layout. Quantized weights (gpt-oss's MXFP4 experts; DeepSeek-V3's 
 per-expert tensors each with its own scales before the merge) are dequantized by the rank that reads them, from
 its slice only (rlray.models.quantized); the model is built, and exported, without the checkpoint's
 quantization_config.
-`resident_bytes(model)` counts the parameter bytes this rank holds.
+`resident_bytes(model)` counts the parameter bytes this rank holds; `persistent(model)` names what a checkpoint holds
+(parameters, a tied one once, and persistent buffers) and `box(tensor)` the part of it this rank holds.
 """
 
 from __future__ import annotations
@@ -141,7 +142,7 @@ def build_model(path: str, dims: ParallelDims, cfg: TrainerConfig, device: torch
     return model
 
 
-def _box(t: torch.Tensor) -> Box:
+def box(t: torch.Tensor) -> Box:
     """The part of the full tensor that this rank holds."""
     if isinstance(t, DTensor):
         chunks = t.__create_chunk_list__()
@@ -243,7 +244,8 @@ class SafetensorsReader:
         return self.where[key].get_slice(key)[_slices(box)]
 
 
-def _persistent(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+def persistent(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """What a checkpoint holds: the parameters (a tied one once, under its first name) and persistent buffers."""
     yield from model.named_parameters()
     for name, buf in model.named_buffers():
         owner, _, leaf = name.rpartition(".")
@@ -253,13 +255,12 @@ def _persistent(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
 
 @torch.no_grad()
 def load_shards(model: nn.Module, reader: SafetensorsReader) -> None:
-    for name, tensor in _persistent(model):
+    for name, tensor in persistent(model):
         if is_adapter(name):  # not in the base's checkpoint: rlray.models.lora.init_adapters
             continue
-        box = _box(tensor)
         local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
         if local.numel():
-            local.copy_(reader.read(checkpoint_name(name), box).reshape(local.shape))
+            local.copy_(reader.read(checkpoint_name(name), box(tensor)).reshape(local.shape))
 
 
 def resident_bytes(model: nn.Module) -> int:

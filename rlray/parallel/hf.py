@@ -37,10 +37,14 @@
   what `from_pretrained` would load. Returns the renamed tensors (model name -> key) and the merged ones (model
   name -> parts concatenated along dim 1, each part its experts' keys in expert order, stacked along dim 0);
   merges of other shapes than that are left out (Qwen3-VL-MoE's transpose: `experts_transposed_on_disk`).
-- `save_pretrained(model, folder, state_dict)`: transformers' `save_pretrained` under the model's own class, not
-  the one FSDP2 makes of it (`FSDP<Class>`), by which transformers finds no checkpoint conversion: saved so, the
-  tensors take the checkpoint's names and layout (Nemotron-H's `backbone.` and per-expert tensors, Qwen3-VL-MoE's
-  transposed experts), as `from_pretrained` reads them.
+- `save_pretrained(model, folder, state_dict)`: transformers' `save_pretrained` under the model's own class
+  (`own_class(model)`), not the one FSDP2 makes of it (`FSDP<Class>`), by which transformers finds no checkpoint
+  conversion: saved so, the tensors take the checkpoint's names (Nemotron-H's `backbone.` and per-expert tensors),
+  as `from_pretrained` reads them (Qwen3-VL-MoE's experts then still need their transpose).
+- `checkpoint_tensors(model, tensors)`: transformers' `revert_weight_conversion` (what `save_pretrained` runs on
+  the whole state dict) on a part of it, under the model's own class: one layer's tensors at a time for the
+  streamed export (rlray.actors.export); a rank's block of n fused experts comes back as `experts.0` ..
+  `experts.<n-1>`, its offset the caller's to add.
 - `all_gather_autograd(x, group)`: torch's functional all-gather along dim 0 whose backward
   returns each rank's share of the gradient (an all-to-all on gloo, which has no reduce-scatter).
 - `dequantize_mxfp4(blocks, scales)`: transformers' own MXFP4 unpacker (`convert_moe_packed_tensors`, what
@@ -52,7 +56,8 @@ from __future__ import annotations
 
 import importlib
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -205,16 +210,36 @@ def all_gather_autograd(x: Tensor, group: Any) -> Tensor:
     return all_gather_single_autograd(x, 0, group)
 
 
-def save_pretrained(model: nn.Module, folder: str, state_dict: dict[str, Tensor]) -> None:
+@contextmanager
+def own_class(model: nn.Module) -> Iterator[type]:
+    """The model under its own class, not the one FSDP2 makes of it (`FSDP<Class>`), by which transformers finds
+    no checkpoint conversion; FSDP2's forward hooks are not called meanwhile. Yields that class."""
     from torch.distributed.fsdp import FSDPModule
 
     wrapped = type(model)
     own = next(c for c in wrapped.__mro__ if not issubclass(c, FSDPModule))
-    model.__class__ = own  # for the save only: the forward hooks FSDP2 installed are not called
+    model.__class__ = own
     try:
-        model.save_pretrained(folder, state_dict=state_dict)
+        yield own
     finally:
         model.__class__ = wrapped
+
+
+def save_pretrained(model: nn.Module, folder: str, state_dict: dict[str, Tensor]) -> None:
+    with own_class(model):
+        model.save_pretrained(folder, state_dict=state_dict)
+
+
+def checkpoint_tensors(model: nn.Module, tensors: dict[str, Tensor]) -> dict[str, Tensor]:
+    """`tensors` (the model's names; one decoder layer's, or part of one) under the checkpoint's names and layout
+    as `save_pretrained` writes them: transformers' `revert_weight_conversion`, which works on any part of a state
+    dict whose conversions it holds whole (meta tensors too). Fused experts of a family whose checkpoints hold
+    them per expert come back as `experts.<i>.<part>` with i counted from 0 in the part given; fused experts
+    stay fused in transformers' layout (`experts_transposed_on_disk` says when to transpose them)."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    with own_class(model):
+        return revert_weight_conversion(model, dict(tensors))
 
 
 def dequantize_mxfp4(blocks: Tensor, scales: Tensor) -> Tensor:

@@ -179,6 +179,16 @@ def test_memory_quick(tmp_path: Path) -> None:
     assert "tiny-moe params/rank / full, 2 ranks" in stdout
 
 
+@pytest.mark.bench
+@pytest.mark.dist
+def test_export_quick(tmp_path: Path) -> None:
+    stdout, report = bench("export", tmp_path)
+    rows = report["rows"]
+    assert [(r["model"], r["ranks"], r["rank"]) for r in rows] == [("tiny-moe", 2, 0), ("tiny-moe", 2, 1)]
+    positive(rows, "full_fp32", "layer_fp32", "params", "new_s", "old_s", "old_peak")
+    assert "tiny-moe 2 ranks: gathered peak / full (rank 0)" in stdout
+
+
 @pytest.mark.bench_engines
 def test_mismatch_quick_replay_lowers_the_moe_mismatch(tmp_path: Path) -> None:
     """The mismatch gate in bf16: with the engine's experts replayed the Qwen3-MoE's KL(engine || trainer)

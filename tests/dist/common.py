@@ -56,6 +56,28 @@ def spawn(worker: Callable[..., None], world: int, *args: Any, tries: int = 3) -
     raise AssertionError("unreachable")
 
 
+def folder_tensors(folder: Any) -> dict[str, torch.Tensor]:
+    """Every tensor of a transformers folder's safetensors files (rlray's export writes one per rank)."""
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    out: dict[str, torch.Tensor] = {}
+    for path in sorted(Path(folder).glob("*.safetensors")):
+        out.update(load_file(str(path)))
+    return out
+
+
+@torch.no_grad()
+def round_to_bf16(model: nn.Module) -> None:
+    """Every parameter shard rounded to bf16 values in place (its dtype kept): rlray's bf16 export then holds the
+    trainer's weights exactly, and what loads it computes what the trainer does."""
+    for p in model.parameters():
+        local = p.to_local() if hasattr(p, "to_local") else p
+        if local.is_floating_point():
+            local.copy_(local.to(torch.bfloat16))
+
+
 def full_grads(model: nn.Module) -> dict[str, np.ndarray]:
     """Every parameter's full gradient (a collective: every rank must call it)."""
     grads = {}

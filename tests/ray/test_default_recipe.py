@@ -45,7 +45,7 @@ def test_default_recipe_runs_as_the_readme_says(default_run) -> None:
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["sft_reward"] >= 0.7 and summary["rl_start_reward"] == summary["sft_reward"], summary  # sft.stop_reward
     assert 0.0 <= summary["rl_end_reward"] <= 1.0, summary
-    assert (run_dir / "hf" / "model.safetensors").is_file() and (run_dir / "curves.png").is_file()
+    assert (run_dir / "hf" / "model.safetensors.index.json").is_file() and (run_dir / "curves.png").is_file()
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     rl = [r for r in map(json.loads, lines) if r["stage"] == "rl"]
     assert len(rl) == RL_STEPS and any(r["lag_mean"] > 0 for r in rl)  # default max_off_policy_steps=1 overlaps
@@ -70,7 +70,7 @@ def test_distillation_from_the_default_runs_export(default_run, tmp_path) -> Non
     moved it by +0.009 and -0.002 in two runs). The teacher is SIGKILLed after RL step 1: it is replaced in its
     bundle while the steps wait, and every step is still scored."""
     teacher_dir, first = default_run
-    assert first.returncode == 0 and (teacher_dir / "hf" / "model.safetensors").is_file()
+    assert first.returncode == 0 and (teacher_dir / "hf" / "model.safetensors.index.json").is_file()
     run_dir = tmp_path / "run"
     cmd = [sys.executable, "-m", "rlray.launch", f"run.dir={run_dir}", "algo.loss=opd",
            f"teacher.name={teacher_dir / 'hf'}", "algo.opd_reward_coef=0", "sft.max_steps=30", "rl.steps=40", "rl.eval_every=0",

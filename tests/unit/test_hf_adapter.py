@@ -233,3 +233,38 @@ def test_transformers_unpacks_mxfp4_as_the_format_says() -> None:
     out = dequantize_mxfp4(blocks, scales)
     assert out.dtype == torch.float32 and torch.equal(out, values)
     assert 0 < (values - w).abs().max() < w.abs().max() / 4  # rounded, not copied
+
+
+def test_checkpoint_tensors_revert_one_layer_and_a_block_of_experts() -> None:
+    """`checkpoint_tensors` is transformers' `revert_weight_conversion` on part of a state dict (the streamed export's
+    unit): a block of 2 fused experts comes back per expert, counted from 0, gate_up_proj's rows split gate then up;
+    other names pass through (Nemotron-H's `model.` -> `backbone.`), meta tensors too; gpt-oss's fused experts stay
+    fused (so do Qwen3-VL-MoE's, in transformers' layout: the export transposes them, tests/dist/test_hf_export.py)."""
+    from transformers import AutoModelForCausalLM
+
+    from rlray.data.tokenizer import char_tokenizer
+    from rlray.parallel.hf import checkpoint_tensors
+
+    tok = char_tokenizer()
+
+    def meta(arch: str) -> torch.nn.Module:
+        config = tiny.tiny_architecture(ModelConfig(arch=arch, num_layers=2), len(tok), tok)
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(config)
+
+    gate_up = torch.arange(2 * 8 * 3, dtype=torch.float32).reshape(2, 8, 3)
+    experts = "model.layers.1.mlp.experts"
+    layer = {f"{experts}.gate_up_proj": gate_up, f"{experts}.down_proj": torch.zeros(2, 3, 4),
+             "model.layers.1.self_attn.q_proj.weight": torch.ones(8, 8)}
+    out = checkpoint_tensors(meta("qwen3_moe"), layer)
+    per_expert = {f"model.layers.1.mlp.experts.{e}.{p}_proj.weight" for e in (0, 1) for p in ("gate", "up", "down")}
+    assert out.keys() == per_expert | {"model.layers.1.self_attn.q_proj.weight"}
+    assert torch.equal(out["model.layers.1.mlp.experts.1.up_proj.weight"], gate_up[1, 4:])
+    assert torch.equal(out["model.layers.1.mlp.experts.0.gate_proj.weight"], gate_up[0, :4])
+    nemotron = {"model.layers.1.mixer.experts.up_proj": torch.empty(2, 8, 3, device="meta"),
+                "model.embeddings.weight": torch.empty(5, 3, device="meta")}
+    on_meta = {k: tuple(v.shape) for k, v in checkpoint_tensors(meta("nemotron_h"), nemotron).items()}
+    assert on_meta == {"backbone.layers.1.mixer.experts.0.up_proj.weight": (8, 3),
+                       "backbone.layers.1.mixer.experts.1.up_proj.weight": (8, 3), "backbone.embeddings.weight": (5, 3)}
+    fused = {"model.layers.0.mlp.experts.gate_up_proj": torch.empty(4, 3, 8, device="meta")}
+    assert {k: v.shape for k, v in checkpoint_tensors(meta("gpt_oss"), fused).items()} == {k: (4, 3, 8) for k in fused}
