@@ -1,9 +1,13 @@
 """A trainer rank's state on disk: checkpoints, the weight digest, the HF export.
 
 Contract (every function is a collective: every rank of the trainer calls it):
-- `save(learner, path, rank)` writes the model, optimizer, scheduler and KL reference through
-  torch.distributed.checkpoint (every rank its shards) and this rank's torch, numpy and Python
-  RNG states; `load(learner, path, rank)` reads them back. Both return `weights_digest(model)`.
+- `save(learner, path, rank, base, saver, background)` writes the model, optimizer, scheduler and KL
+  reference through torch.distributed.checkpoint (every rank its shards) and this rank's torch, numpy
+  and Python RNG states; `load(learner, path, rank)` reads them back. Both return
+  `weights_digest(model)`, taken when called. With `background` the shards are written by `saver`
+  (rlray.actors.saver) after `save` returns, from a copy of the state taken when called: the folder
+  is whole once `saver.finish()` has returned it; the RNG states (and LoRA's `base.json`) are
+  written before `save` returns.
 - LoRA (`trainer.lora.rank > 0`): a checkpoint holds the adapters (policy and reference), their
   optimizer and scheduler, and `base.json` naming the base: the model's own checkpoint, or, when
   SFT trained the base (`Learner.base_trained`), `BASE` beside the checkpoints, written once by the
@@ -38,6 +42,7 @@ import torch
 import torch.distributed as dist
 
 from rlray.actors.learner import Learner
+from rlray.actors.saver import Saver
 from rlray.models.lora import is_adapter
 
 BASE = "lora_base"  # beside the checkpoints: the base SFT trained, for LoRA runs
@@ -94,13 +99,14 @@ def _load_base(learner: Learner, root: Path) -> None:
     learner.base_trained = True
 
 
-def save(learner: Learner, path: str, rank: int, base: str = "") -> str:
-    """`base`: the model's own checkpoint (what `base.json` names when SFT did not train the base)."""
-    import torch.distributed.checkpoint as dcp
-
+def save(learner: Learner, path: str, rank: int, base: str = "", saver: Saver | None = None,
+         background: bool = False) -> str:
+    """`base`: the model's own checkpoint (what `base.json` names when SFT did not train the base);
+    `background`: DCP's shards written by `saver` in the background (rlray.actors.saver)."""
     if _lora(learner) and learner.base_trained:
         _save_base(learner, Path(path).parent, rank)
-    dcp.save(_state(learner), checkpoint_id=path)
+    Path(path).mkdir(parents=True, exist_ok=True)
+    (saver or Saver(learner.cfg.collective_timeout_s)).start(_state(learner), path, background)
     rng = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
     torch.save(rng, os.path.join(path, f"rng_rank{rank}.pt"))
     if _lora(learner) and rank == 0:

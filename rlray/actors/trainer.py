@@ -13,10 +13,15 @@ Contract:
 - Training is the `Learner`'s (rlray.actors.learner): `set_stage`, `train_step`, `sft_step`,
   `forward_backward`, `logprobs`; `offload_optimizer(to_host)` (colocated GPUs) moves its state,
   `make_room(offload)` also returns the allocator's cached memory to the device before the engines wake.
-- State is rlray.actors.state's: `save(dir)` / `load(dir)` (DCP shards, RNG states; both return
-  the weight digest), `weights_digest()`, `export_hf(dir, merged)` (a transformers folder, every rank
-  writing its own tensors; with LoRA the adapter folder, see rlray.actors.export), `checksums(dir)` / `verify(dir,
-  files)` (this rank's files of a checkpoint: their sizes and CRC32s, and what no longer matches).
+- State is rlray.actors.state's: `save(dir, background)` / `load(dir)` (DCP shards, RNG states; both
+  return the weight digest), `weights_digest()`, `export_hf(dir, merged)` (a transformers folder, every
+  rank writing its own tensors; with LoRA the adapter folder, see rlray.actors.export), `checksums(dir)` /
+  `verify(dir, files)` (this rank's files of a checkpoint: their sizes and CRC32s, and what no longer matches).
+  With `background` DCP writes the shards after `save` returns (rlray.actors.saver: only the copy of
+  the state blocks, one write in flight); `finish_save()` waits for the last save's write and returns
+  this rank's checksums of it (a failed write raises, naming the folder); on Ray it runs on a thread
+  of its own (rlray.orchestration.cluster.CHECKPOINT), beside training. `load` and `export_hf` first
+  wait for a write in flight.
 - The weight path is the `WeightPublisher`'s (rlray.actors.publisher): `init_weight_group(spec,
   client)`, `broadcast_weights(version)`, `close_weight_group()`, `weight_source()`.
 `algo` must be resolved (rlray.algo.loss.resolve).
@@ -34,6 +39,7 @@ import torch.distributed as dist
 from rlray.actors import state
 from rlray.actors.learner import Learner
 from rlray.actors.publisher import WeightPublisher
+from rlray.actors.saver import Saver
 from rlray.config import AlgoConfig, ModelConfig, TrainerConfig
 from rlray.models.load import build_model
 from rlray.models.lora import adapted_modules, adapter_config
@@ -55,6 +61,7 @@ class TrainerActor:
         self.device = torch.device("cuda" if trainer.gpus_per_rank > 0 else "cpu")  # what the bundle holds
         self.wire_dtype = DTYPES[wire_dtype] if wire_dtype else None  # the engine's dtype; None: the params' own
         self._store: dist.TCPStore | None = None
+        self.saver = Saver(trainer.collective_timeout_s, pinned=self.device.type == "cuda")
 
     def serve_group(self) -> str:
         host = self.master.rsplit(":", 1)[0]
@@ -121,10 +128,15 @@ class TrainerActor:
         return moved
 
     # ---- state (rlray.actors.state) --------------------------------------------------------
-    def save(self, path: str) -> str:
-        return state.save(self.learner, path, self.rank, model_path(self.model_cfg))
+    def save(self, path: str, background: bool = False) -> str:
+        return state.save(self.learner, path, self.rank, model_path(self.model_cfg), self.saver, background)
+
+    def finish_save(self) -> dict[str, list[int]]:
+        path = self.saver.finish()
+        return state.checksums(path, self.rank) if path else {}
 
     def load(self, path: str) -> str:
+        self.saver.settle()
         return state.load(self.learner, path, self.rank)
 
     def weights_digest(self) -> str:
@@ -137,6 +149,7 @@ class TrainerActor:
         return state.verify(path, self.rank, files)
 
     def export_hf(self, path: str, merged: bool = False) -> None:
+        self.saver.settle()
         state.export_hf(self.learner, path, self.rank, model_path(self.model_cfg), merged)
 
     # ---- the weight path (rlray.actors.publisher) ------------------------------------------

@@ -1,9 +1,12 @@
 """Trainer save/load through DCP restores model and optimizer exactly, on 2 gloo ranks; each rank checksums
 the files it wrote and verifies only those; a damaged checkpoint is set aside, kept, and skipped by
-`latest`, `complete` and `prune`."""
+`latest`, `complete` and `prune`. A background save (DCP's async_save) holds the state of its save step
+although training changed it before the write, which ends only when waited for; a write that fails
+raises on `finish_save`, naming the folder, and leaves no DCP metadata."""
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -88,3 +91,67 @@ def verify_and_set_aside(folder: Path, sums0: dict, sums1: dict) -> None:
     assert checkpoint.set_aside(root / "ckpt_rl_00000003").name == "ckpt_rl_00000003.damaged"
     checkpoint.commit(checkpoint.staging(root, "rl", 3), {"stage": "rl", "step": 3, "saved_at": 4}, 1)
     assert checkpoint.set_aside(root / "ckpt_rl_00000003").name == "ckpt_rl_00000003.damaged2"
+
+
+def background_worker(rank: int, world: int, port: int, out: dict, root: str) -> None:
+    """The write is held back (each rank's `write_data` waits for `release`) while a train step moves the
+    weights; the second save's write fails on rank 1."""
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+
+    from rlray.actors.trainer import TrainerActor
+
+    release, real_write = threading.Event(), FileSystemWriter.write_data
+
+    def held_write(self, plan, planner):  # noqa: ANN001, ANN202 - DCP's signature
+        assert release.wait(60), "the test never released the write"
+        if "fails" in str(self.path) and rank == 1:
+            raise OSError("No space left on device")
+        return real_write(self, plan, planner)
+
+    FileSystemWriter.write_data = held_write
+    t = TrainerActor(rank, world, f"127.0.0.1:{port}", MODEL, TrainerConfig(lr=1e-2, num_ranks=world),
+                     algo_config(aggregation="token"), "gloo", temperature=1.0)
+    t.setup()
+    mbs = batch(world, rl=True)[rank]
+    t.train_step(mbs)
+    path = Path(root) / "ckpt_rl_00000001.tmp"
+    saved = {n: p.clone() for n, p in t.publisher.full_params()}
+    digest = t.save(str(path), background=True)
+    t.train_step(mbs)  # while the write waits: the weights and Adam moments it holds change
+    moved = {n: p.clone() for n, p in t.publisher.full_params()}
+    out[f"unwritten{rank}"] = sorted(p.name for p in path.iterdir())  # before the write: RNG state only
+    release.set()
+    out[f"sums{rank}"] = t.finish_save()
+    restored_digest = t.load(str(path))
+    restored = {n: p.clone() for n, p in t.publisher.full_params()}
+    release.clear()
+    t.save(str(Path(root) / "fails.tmp"), background=True)
+    release.set()
+    try:
+        t.finish_save()
+    except RuntimeError as e:
+        out[f"failed{rank}"] = str(e)
+    if rank == 0:
+        out["digests"] = (digest, restored_digest)
+        out["moved"] = max(float((moved[n] - saved[n]).abs().max()) for n in saved)
+        out["restored"] = max(float((restored[n] - saved[n]).abs().max()) for n in saved)
+    torch.distributed.destroy_process_group()
+
+
+def test_background_save_holds_the_save_steps_state(tmp_path) -> None:
+    out = spawn(background_worker, 2, str(tmp_path))
+    assert out["unwritten0"] == ["rng_rank0.pt", "rng_rank1.pt"]  # no shard, no .metadata until the write ends
+    assert out["moved"] > 1e-4 and out["restored"] == 0.0
+    assert out["digests"][0] == out["digests"][1]
+    assert set(out["sums0"]) == {".metadata", "__0_0.distcp", "rng_rank0.pt"}
+    assert set(out["sums1"]) == {"__1_0.distcp", "rng_rank1.pt"}
+    for rank in (0, 1):
+        assert out[f"failed{rank}"].startswith(f"writing checkpoint {tmp_path / 'fails.tmp'} failed ("), out
+        assert "No space left on device" in out[f"failed{rank}"] and "\n" not in out[f"failed{rank}"]
+    assert not (tmp_path / "fails.tmp" / ".metadata").exists()
+    ckpt = checkpoint.commit(tmp_path / "ckpt_rl_00000001.tmp", {"stage": "rl", "step": 1, "saved_at": 0.0,
+                                                                 "files": {**out["sums0"], **out["sums1"]}}, keep=1)
+    assert checkpoint.latest(tmp_path) == ckpt
+    from rlray.actors import state
+
+    assert state.verify(str(ckpt), 0, checkpoint.read_meta(ckpt)["files"]) == []
