@@ -340,6 +340,9 @@ class CheckpointConfig:
     # SIGTERM / SIGUSR1 (preemption): the driver checkpoints the current RL step and exits 0 within this long
     preempt_grace_s: float = 120.0
     keep: int = 2
+    # the trainer's shards written in the background (DCP's async_save): a step waits only for the copy of
+    # the state; the checkpoint is committed (meta.json, renamed into place) once every rank's write ended
+    async_save: bool = True
     resume: bool = True  # resume from the newest committed checkpoint in run.dir/checkpoints
     export_hf: bool = True  # write the final policy as a transformers folder to run.dir/hf (LoRA: hf/adapter)
     export_merged: bool = False  # LoRA: also write the adapters merged into the base to run.dir/hf/merged

@@ -15,8 +15,18 @@ later commit of the same step gets the name back.
 one-line account of a run that has done everything its config asks (its newest checkpoint is RL's
 last step, the export is there when asked for, summary.json holds the final evaluation), else None.
 `exported(run_dir, lora)` says whether the HF export is there.
-`Checkpoints(root, trainers, keep)` does this through a run's trainer ranks: `save(stage, step, meta)`
-commits one (every rank's shards, then every rank's checksums); `newest()` is the newest committed
+`Checkpoints(root, trainers, keep, background, timeout_s)` does this through a run's trainer ranks:
+`save(stage, step, meta)` takes one (every rank's shards, then every rank's checksums) and returns
+its final path. What meta.json holds is taken at the save step: `meta` (copied), the weight digest,
+the time. Synchronously (`background=False`) `save` commits before it returns; with `background`
+(`checkpoint.async_save`) each rank's shards are written after its `save` returned (DCP's async_save,
+rlray.actors.saver) and the checkpoint is pending until every rank's write has ended: `poll()` commits
+it then (called between steps), `wait()` waits for it and commits it (the run's end, a preemption,
+before an export). One save in flight: `save` first waits for and commits the one before. A write that
+fails on any rank is never committed: its `.tmp` folder is removed and `wait` (or the `save`/`poll`
+that found it) raises one line naming the checkpoint; committed checkpoints are untouched. `settle()`
+(a failed run's end, `newest`) commits the pending one if every rank's write ends within `timeout_s`,
+else drops it with one line. `newest()` is the newest committed
 checkpoint whose files verify (each rank checks its own), `load(found)` loads it on every rank and
 checks the weight digest. A checkpoint that fails verification, loading or the digest is set aside
 with one console line and the next newest tried; with none intact left, a one-line RuntimeError.
@@ -27,13 +37,16 @@ from __future__ import annotations
 import json
 import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ray.exceptions import RayError
+import ray
+from ray.exceptions import GetTimeoutError, RayError
 
 from rlray.actors.rollout import one_line
-from rlray.orchestration.calls import get_all
+from rlray.orchestration.calls import errors, get_all
+from rlray.orchestration.cluster import CHECKPOINT
 
 PREFIX = "ckpt_"
 
@@ -105,18 +118,73 @@ def finished(run_dir: Path, stages: list[str], rl_steps: int, export_hf: bool, l
             "(raise rl.steps to train on, or give a new run.dir)")
 
 
+@dataclass
+class Pending:
+    """A checkpoint whose writes may still run: its `.tmp` folder, its meta.json as of the save step
+    (without `files`), and every rank's `finish_save` (its checksums once its write ended)."""
+
+    tmp: Path
+    meta: dict[str, Any]
+    finishes: list[Any]
+
+    @property
+    def name(self) -> str:
+        return self.tmp.with_suffix("").name
+
+
 class Checkpoints:
-    def __init__(self, root: Path, trainers: list[Any], keep: int) -> None:
+    def __init__(self, root: Path, trainers: list[Any], keep: int, background: bool = False,
+                 timeout_s: float = 3600.0) -> None:
         self.root, self.trainers, self.keep = root, trainers, keep
+        self.background, self.timeout_s = background, timeout_s
         self.set_aside = 0  # damaged checkpoints found by this run
+        self.pending: Pending | None = None
 
     def save(self, stage: str, step: int, meta: dict[str, Any]) -> Path:
+        self.wait()
         tmp = staging(self.root, stage, step)
-        digest = get_all([t.save.remote(str(tmp)) for t in self.trainers])[0]
-        files = {name: entry for part in get_all([t.checksums.remote(str(tmp)) for t in self.trainers])
-                 for name, entry in part.items()}
-        full = {"stage": stage, "step": step, **meta, "saved_at": time.time(), "weights": digest, "files": files}
-        return commit(tmp, full, self.keep)
+        digest = get_all([t.save.remote(str(tmp), self.background) for t in self.trainers])[0]
+        full = {"stage": stage, "step": step, **json.loads(json.dumps(meta)), "saved_at": time.time(),
+                "weights": digest}
+        finishes = [t.finish_save.options(concurrency_group=CHECKPOINT).remote() for t in self.trainers]
+        self.pending = Pending(tmp, full, finishes)
+        return tmp.with_suffix("") if self.background else self._commit()
+
+    def poll(self) -> Path | None:
+        """The pending checkpoint committed if every rank's write has ended (its path), else None."""
+        p = self.pending
+        if p is None or len(ray.wait(p.finishes, num_returns=len(p.finishes), timeout=0)[0]) < len(p.finishes):
+            return None
+        return self._commit()
+
+    def wait(self) -> Path | None:
+        """The pending checkpoint committed once every rank's write has ended (its path); None when none."""
+        return None if self.pending is None else self._commit()
+
+    def settle(self) -> None:
+        p = self.pending
+        if p is None:
+            return
+        if failed := errors(p.finishes, self.timeout_s):
+            self.pending = None
+            shutil.rmtree(p.tmp, ignore_errors=True)
+            i = next((i for i, e in failed.items() if not isinstance(e, GetTimeoutError)), min(failed))  # the cause
+            print(f"checkpoint {p.name} was not committed: trainer-{i}'s write did not end "
+                  f"({one_line(getattr(failed[i], 'cause', None) or failed[i], 200)})", flush=True)
+            return
+        self._commit()
+
+    def _commit(self) -> Path:
+        p, self.pending = self.pending, None
+        assert p is not None
+        try:
+            parts = get_all(p.finishes)
+        except RayError as e:
+            shutil.rmtree(p.tmp, ignore_errors=True)
+            raise RuntimeError(f"checkpoint {p.name} was not committed: "
+                               f"{one_line(getattr(e, 'cause', None) or e, 400)}") from e
+        p.meta["files"] = {name: entry for part in parts for name, entry in part.items()}
+        return commit(p.tmp, p.meta, self.keep)
 
     def _damaged(self, path: Path, why: str) -> None:
         moved = set_aside(path)
@@ -125,6 +193,7 @@ class Checkpoints:
               "before it", flush=True)
 
     def newest(self) -> dict[str, Any] | None:
+        self.settle()
         while (path := latest(self.root)) is not None:
             meta = read_meta(path)
             problems = [p for part in get_all([t.verify.remote(str(path), meta.get("files", {}))

@@ -11,7 +11,7 @@ nodes without this checkout import the driver's copy.
 rollout actors (bundle sizes from the config, on nodes with `*.node_labels`), or with
 `cluster.colocate` one whose bundles each hold a trainer rank and an engine worker
 (rlray.config.colocation; on GPUs Ray's fractional GPUs split each bundle's GPU), then the named actors `trainer-i`
-(with a `CONTROL` concurrency group beside the default one),
+(with `CONTROL` and `CHECKPOINT` concurrency groups beside the default one),
 `rollout-i` and `buffer` from the plain classes, and has trainer rank 0 serve the trainer group's
 store (`Handles.master`); `spawn_rollout` (re)creates one rollout
 actor in its bundle (`rollout_site`); with verifiers v1 envs it hands the actor `v1_spawner(env)`, with which
@@ -58,6 +58,8 @@ REPO = str(PACKAGE.parent)
 # Trainer calls that must never queue behind a collective in flight (closing the weight group):
 # `handle.method.options(concurrency_group=CONTROL).remote()` runs them on a thread of their own.
 CONTROL = "control"
+# A trainer's `finish_save` (waiting for a checkpoint's background write) beside its training calls.
+CHECKPOINT = "checkpoint"
 
 
 SHIPPED = "RLRAY_SHIPPED_CODE"  # set in every actor whose env modules came with the runtime_env
@@ -290,7 +292,7 @@ def spawn_trainers(c: Config, pg: PlacementGroup, incarnation: int = 0) -> tuple
     host, _ = free_address(pg, 0)  # rank 0's node; its store picks the port (TrainerActor.serve_group)
     gpus = t.gpus_per_rank * (TRAINER_GPU_SHARE if c.cluster.colocate else 1.0)
     trainers = [
-        ray.remote(concurrency_groups={CONTROL: 1})(TrainerActor).options(
+        ray.remote(concurrency_groups={CONTROL: 1, CHECKPOINT: 1})(TrainerActor).options(
             name=actor_name("trainer", i, incarnation), num_cpus=t.cpus_per_rank, num_gpus=gpus,
             scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i),
         ).remote(i, t.num_ranks, f"{host}:0", c.model, t, c.algo, backend(c), r.temperature, r.dtype)

@@ -9,7 +9,9 @@ waits meanwhile and loses no step. An RL step whose batch is not complete within
 `rl.batch_timeout_s` (restarted by a replacement) fails with one line naming the step, the
 groups queued and each rollout actor's last error. With
 `checkpoint.every` set, RL commits a checkpoint (trainer DCP shards, policy version,
-buffer counters, every file's checksum) at its start and every that many steps; a later run with
+buffer counters, every file's checksum) at its start and every that many steps (with
+`checkpoint.async_save` written while training goes on, committed between steps once written, the last
+one waited for at RL's end, a preemption, or a failed run's close); a later run with
 the same run folder resumes from the newest committed one whose files verify and load (a damaged
 one is set aside, one line each: rlray.orchestration.checkpoint; an interrupted SFT restarts). A run
 folder that holds a finished run (rlray.orchestration.checkpoint.finished) is said so in one line
@@ -87,7 +89,8 @@ class Controller:
         self._h: cluster.Handles | None = None
         self._fleet: RolloutFleet | None = None
         self.teachers: TeacherPool | None = None  # algo.loss=opd
-        self.checkpoints = checkpoint.Checkpoints(self.ckpt_root, [], c.checkpoint.keep)  # its trainers: start()
+        self.checkpoints = checkpoint.Checkpoints(self.ckpt_root, [], c.checkpoint.keep, c.checkpoint.async_save,
+                                                  c.trainer.collective_timeout_s)  # its trainers: start()
         self.checkpointing = bool(c.checkpoint.every or c.checkpoint.every_s)
         self.saved_at = time.monotonic()  # of the last checkpoint (checkpoint.every_s)
         self.trainer_restarts = 0  # trainer groups re-created after a lost rank (rlray.orchestration.recovery)
@@ -246,7 +249,8 @@ class Controller:
         path = self.checkpoints.save(stage, step, {"version": self.version, "summary": self.summary,
                                                    "buffer": ray.get(self.h.buffer.state.remote())})
         self.saved_at = time.monotonic()
-        print(f"checkpoint {path} ({time.perf_counter() - t0:.1f}s)", flush=True)
+        how = "; committed when written" if self.checkpoints.pending else ""
+        print(f"checkpoint {path} ({time.perf_counter() - t0:.1f}s{how})", flush=True)
 
     def resume_point(self) -> dict[str, Any] | None:
         """The newest committed checkpoint whose files verify (damaged ones set aside, one line each)."""
@@ -316,6 +320,7 @@ class Controller:
             self.fleet.stop(self.version)
             if self.checkpointing:
                 self.save("rl", c.rl.steps)
+        self.checkpoints.wait()
         if c.checkpoint.export_hf and not (final and checkpoint.exported(self.run_dir, c.trainer.lora.enabled)):
             ray.get([t.export_hf.remote(str(self.run_dir / "hf"), c.checkpoint.export_merged) for t in self.h.trainers])
             what = "the trained LoRA adapter (PEFT) and its base" if c.trainer.lora.enabled else "the trained model"
@@ -329,6 +334,7 @@ class Controller:
         """A preemption signal: the checkpoint of the step the run is at, then stop (rlray.orchestration.preemption)."""
         self.fleet.stop(self.version)
         self.save("rl", step)
+        self.checkpoints.wait()
         self.summary["preempted"] = {"signal": preemption.requested(), "stage": "rl", "step": step}
 
     def _rl_step(self, step: int) -> float:
@@ -340,6 +346,7 @@ class Controller:
         self._wait(batch, step)
         self._train_turn()
         outs = get_all([t.train_step.remote(b) for t, b in zip(self.h.trainers, batch)])
+        self.checkpoints.poll()  # the checkpoint written in the background meanwhile, committed
         self.version = step + 1
         values = {**ray.get(self.h.buffer.step_stats.remote(step)), **outs[0],
                   "rollout_restarts": self.fleet.restarts, "trainer_restarts": self.trainer_restarts,
@@ -377,6 +384,7 @@ class Controller:
 
     def close(self) -> None:
         if self._h is not None:
+            self.checkpoints.settle()  # a failed run's last checkpoint, when its write ends
             cluster.teardown(self._h)
             cluster.collect_logs(self.run_dir / "logs")
         self.metrics.close()

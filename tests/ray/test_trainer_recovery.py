@@ -49,6 +49,7 @@ def test_a_killed_trainer_rank_is_recovered_from_the_checkpoint(ray_cluster, tmp
     kill_trainer_at(monkeypatch, 3)
     summary = run(c)
     out = capsys.readouterr().out
+    assert "ckpt_rl_00000002 (" in out and "; committed when written)" in out, out  # checkpoint.async_save's default
     lines = [x for x in out.splitlines() if x.startswith("trainer-1 was lost during RL step 4 (its process died)")]
     assert len(lines) == 1 and "from checkpoint step 2: 2 trained steps lost (1 of trainer.max_restarts=2 used)" \
         in lines[0], out
