@@ -2,7 +2,8 @@
 that write one file each and finish when released): meta.json is the save step's, the folder is renamed
 into place only once every rank's write has ended, one save is in flight (a second waits for and commits
 the first), a write that fails on one rank is never committed and raises one line naming the checkpoint,
-and a pending checkpoint whose rank died is dropped with one line."""
+and a pending checkpoint whose rank died is dropped with one line. Synchronously, `save` commits before it
+returns."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ class Rank:
 
     def __init__(self, rank: int) -> None:
         self.rank, self.path, self.gate = rank, "", threading.Event()
+        self.gate.set()
 
     def hold(self) -> None:
         self.gate.clear()
@@ -30,7 +32,6 @@ class Rank:
         self.gate.set()
 
     def save(self, path: str, background: bool) -> str:
-        assert background
         self.path = path
         Path(path, f"shard{self.rank}").write_text(f"rank {self.rank}\n")
         return "digest"
@@ -48,6 +49,10 @@ def test_a_background_checkpoint_commits_only_once_written(ray_cluster, tmp_path
     ckpts = checkpoint.Checkpoints(tmp_path, ranks, keep=5, background=True, timeout_s=5)
     hold = lambda: ray.get([r.hold.remote() for r in ranks])  # noqa: E731
     release = lambda: ray.get([r.release.remote() for r in ranks])  # noqa: E731
+
+    sync = checkpoint.Checkpoints(tmp_path / "sync", ranks, keep=1)  # checkpoint.async_save=false
+    assert sync.save("rl", 1, {}) == tmp_path / "sync" / "ckpt_rl_00000001" and sync.pending is None
+    assert set(checkpoint.read_meta(tmp_path / "sync" / "ckpt_rl_00000001")["files"]) == {"shard0", "shard1"}
 
     hold()
     meta = {"buffer": {"next": 1}}
