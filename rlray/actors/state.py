@@ -106,14 +106,14 @@ def save(learner: Learner, path: str, rank: int, base: str = "", saver: Saver | 
     if _lora(learner) and learner.base_trained:
         _save_base(learner, Path(path).parent, rank)
     Path(path).mkdir(parents=True, exist_ok=True)
-    (saver or Saver(learner.cfg.collective_timeout_s)).start(_state(learner), path, background)
     rng = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
     torch.save(rng, os.path.join(path, f"rng_rank{rank}.pt"))
     if _lora(learner) and rank == 0:
         named = f"../{BASE}" if learner.base_trained else base
         Path(path, "base.json").write_text(json.dumps({"base": named}) + "\n")
-    dist.barrier()
-    return weights_digest(learner.model)
+    digest = weights_digest(learner.model)  # before a background write starts, so as not to share the cores with it
+    (saver or Saver(learner.cfg.collective_timeout_s)).start(_state(learner), path, background)
+    return digest
 
 
 def load(learner: Learner, path: str, rank: int) -> str:
