@@ -20,6 +20,8 @@ BENCHMARKS = {  # subcommand: (module, one line)
                                       "own tensors) vs gathered on rank 0")),
     "mismatch": ("rlray.bench.mismatch", ("engine/trainer mismatch KL and router agreement in bf16, router replay "
                                           "off vs on, dense vs MoE, over the same rollouts")),
+    "checkpoint": ("rlray.bench.checkpoint", ("seconds a DCP checkpoint blocks the trainer, written synchronously vs "
+                                              "in the background, tiny and ~200 MB models")),
     "gpu-step": ("rlray.bench.gpu_step", ("trainer step time and MFU of a ~1B dense model and a small MoE "
                                           "(one GPU, no Ray; --size tiny runs on CPU)")),
     "gpu-smoke": ("rlray.bench.gpu_smoke", ("the trainer half of the GPU path checked on one CUDA GPU without Ray "

@@ -189,6 +189,17 @@ def test_export_quick(tmp_path: Path) -> None:
     assert "tiny-moe 2 ranks: gathered peak / full (rank 0)" in stdout
 
 
+@pytest.mark.bench
+@pytest.mark.dist
+def test_checkpoint_quick(tmp_path: Path) -> None:
+    stdout, report = bench("checkpoint", tmp_path)
+    rows = report["rows"]
+    assert [r["save"] for r in rows] == ["sync", "background", "staging copy alone", "weight digest alone"]
+    positive(rows[:2], "blocked", "step", "wait", "warmup_blocked")
+    positive(rows[2:], "blocked")
+    assert "tiny background / sync: seconds a save blocks" in stdout
+
+
 @pytest.mark.bench_engines
 def test_mismatch_quick_replay_lowers_the_moe_mismatch(tmp_path: Path) -> None:
     """The mismatch gate in bf16: with the engine's experts replayed the Qwen3-MoE's KL(engine || trainer)
