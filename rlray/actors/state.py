@@ -176,7 +176,7 @@ def weights_digest(model: torch.nn.Module) -> str:
     for name, p in model.named_parameters():
         local = p.detach().to_local() if hasattr(p, "to_local") else p.detach()
         h.update(name.encode())
-        h.update(local.contiguous().cpu().view(torch.uint8).numpy().tobytes())
+        h.update(local.contiguous().cpu().view(torch.uint8).numpy())  # hashed in place: no copy to bytes
     digests: list[str | None] = [None] * dist.get_world_size()
     dist.all_gather_object(digests, h.hexdigest())
     return hashlib.sha256("".join(str(d) for d in digests).encode()).hexdigest()[:16]
