@@ -151,6 +151,8 @@ def run(args: argparse.Namespace) -> Report:
             t["background_blocked"], t["copy"] + t["digest"])
         report.ratios[f"{name} step after a background save / step alone"] = ratio(t["background_step"],
                                                                                     t["step_alone"])
+        report.ratios[f"{name} background / sync: save blocks + the next step"] = ratio(
+            t["background_blocked"] + t["background_step"], t["sync_blocked"] + t["sync_step"])
     report.notes = [(f"{args.ranks} gloo ranks, one torch thread each; saves alternate sync/background round by round. "
                      "'save blocks': TrainerActor.save until it returns (state dict, DCP write or staging copy, RNG "
                      "states, weight digest); 'next step': the train step right after it (beside the background write); "
