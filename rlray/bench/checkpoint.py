@@ -3,14 +3,15 @@
 `--ranks` gloo processes (torch.multiprocessing, no Ray, one torch thread per rank as Ray gives a
 trainer actor) build rlray's `TrainerActor` for the default recipe's tiny model and for a twin of
 ~200 MB of fp32 weights, take a train step (so AdamW's moments exist), then alternate, round by
-round, a synchronous save (`save(dir)`: DCP writes before it returns) and a background one
-(`save(dir, background=True)`: DCP's async_save over the saver's own gloo group). Per save, rank 0
-times (between barriers) what blocks the caller (`save` itself: the state dict, the copy or the write,
-the RNG states, the weight digest), the train step that follows (which a background write runs beside),
-and the wait in `finish_save` (the rest of the write, then the CRC32s). Beside them, the staging copy
-alone: DCP's `DefaultStager` (as the saver holds it, buffers reused) copying the same state dict; the
-weight digest alone; and a train step with no save. The first save of each kind (the gloo group, the staging buffers) is a warm-up,
-reported apart. Medians over `--rounds`.
+round: a synchronous save (`save(dir)`: DCP writes before it returns), a background one
+(`save(dir, background=True)`: DCP's async_save over the saver's own gloo group), each followed by a
+train step, and a background one waited for at once (the write alone, nothing beside it). Per save,
+rank 0 times (between barriers) what blocks the caller (`save` itself: the state dict, the copy or the
+write, the RNG states, the weight digest), the train step that follows (which a background write runs
+beside), and the wait in `finish_save` (the rest of the write, then the CRC32s). Beside them, the
+staging copy alone: DCP's `DefaultStager` (as the saver holds it, buffers reused) copying the same
+state dict; the weight digest alone; and a train step with no save. The first save of each kind (the
+gloo group, the staging buffers) is a warm-up, reported apart. Medians over `--rounds`.
 """
 
 from __future__ import annotations
@@ -35,14 +36,14 @@ MODELS: dict[str, dict[str, int]] = {
                    "intermediate_size": 3072},
 }
 QUICK = {"models": ["tiny"], "rounds": 2, "batch": 16}
-FULL = {"models": ["tiny", "twin-200mb"], "rounds": 7, "batch": 16}
-MODES = ("sync", "background")
+FULL = {"models": ["tiny", "twin-200mb"], "rounds": 5, "batch": 16}
+MODES = ("sync", "background", "background, no step")  # the last: finish_save at once (the write alone)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--models", nargs="+", choices=sorted(MODELS), help=f"model presets (full: {FULL['models']})")
     p.add_argument("--ranks", type=int, default=2, help="FSDP2 ranks (gloo processes); the default recipe has 2")
-    p.add_argument("--rounds", type=int, help="saves of each kind timed, after one warm-up each (full: 7)")
+    p.add_argument("--rounds", type=int, help="saves of each kind timed, after one warm-up each (full: 5)")
     p.add_argument("--batch", type=int, help="completions per train step (default 16)")
     p.add_argument("--dir", help="where the checkpoints are written (default: a temporary folder)")
 
@@ -90,8 +91,9 @@ def _worker(rank: int, world: int, port: int, model_name: str, opts: dict[str, A
         for mode in MODES[:: 1 if r % 2 == 0 else -1]:
             path = os.path.join(root, f"{mode}_{r}")
             key = mode if r else "warmup"
-            times[f"{key}_blocked"].append(_timed(lambda: actor.save(path, background=mode == "background")))
-            times[f"{key}_step"].append(_timed(lambda: actor.train_step(mbs)))
+            times[f"{key}_blocked"].append(_timed(lambda: actor.save(path, background=mode != "sync")))
+            if mode != MODES[2]:
+                times[f"{key}_step"].append(_timed(lambda: actor.train_step(mbs)))
             times[f"{key}_wait"].append(_timed(actor.finish_save))
             if rank == 0:
                 shutil.rmtree(path, ignore_errors=True)
@@ -136,7 +138,7 @@ def run(args: argparse.Namespace) -> Report:
         state_mb = res["state_bytes"] / 1e6
         for i, mode in enumerate(MODES):
             report.rows.append({"model": name, "state_mb": state_mb, "save": mode, "blocked": t[f"{mode}_blocked"],
-                                "step": t[f"{mode}_step"], "wait": t[f"{mode}_wait"],
+                                "step": t[f"{mode}_step"] or None, "wait": t[f"{mode}_wait"],
                                 "warmup_blocked": res["times"]["warmup_blocked"][i],
                                 "params_m": res["params"] / 1e6, "all": {k: res["times"][f"{mode}_{k}"]
                                                                          for k in ("blocked", "step", "wait")}})
@@ -156,7 +158,7 @@ def run(args: argparse.Namespace) -> Report:
     report.notes = [(f"{args.ranks} gloo ranks, one torch thread each; saves alternate sync/background round by round. "
                      "'save blocks': TrainerActor.save until it returns (state dict, DCP write or staging copy, RNG "
                      "states, weight digest); 'next step': the train step right after it (beside the background write); "
-                     "'finish_save': what was left to wait for, then the CRC32s. 'staging copy alone': DCP's "
+                     "'finish_save': what was left to wait for, then the CRC32s ('background, no step': the whole write). 'staging copy alone': DCP's "
                      "DefaultStager on the same state dict with its buffers held; its 'next step' is a step with no "
                      "save. 'weight digest alone': the sha256 every save returns (a collective). state MB/rank: parameter shards, gradients, AdamW moments. '1st save': the warm-up (the "
                      "background saver's gloo group and staging buffers are made then).")]

@@ -194,7 +194,8 @@ def test_export_quick(tmp_path: Path) -> None:
 def test_checkpoint_quick(tmp_path: Path) -> None:
     stdout, report = bench("checkpoint", tmp_path)
     rows = report["rows"]
-    assert [r["save"] for r in rows] == ["sync", "background", "staging copy alone", "weight digest alone"]
+    assert [r["save"] for r in rows] == ["sync", "background", "background, no step", "staging copy alone",
+                                         "weight digest alone"]
     positive(rows[:2], "blocked", "step", "wait", "warmup_blocked")
     positive(rows[2:], "blocked")
     assert "tiny background / sync: seconds a save blocks" in stdout
