@@ -9,7 +9,9 @@ weights built from a config (gpu-step's models) it checks, one table row each:
 - logprobs: `TrainerActor.logprobs` against transformers' own fp32 forward of the same checkpoint;
 - train step: finite loss and gradient norm; tokens/s, TFLOP/s, MFU and peak memory (gpu-step's);
 - DCP: save and load through torch.distributed.checkpoint, the weight digest of the loaded state
-  equal to the saved one (and a step in between changed it);
+  equal to the saved one (and a step in between changed it); the same with the save written in the
+  background (checkpoint.async_save: the state copied to pinned host memory, a gloo group beside the
+  trainer's, the step taken while the write runs), and the seconds that save blocked;
 - side-stream gather: right after an optimizer step, the weights gathered for a sync while the
   consumer runs on a side stream (as vLLM's packed NCCL sender does) equal those gathered on the
   default stream, bit for bit; the memory the pass leaves reserved is reported;
@@ -137,6 +139,15 @@ def check_model(arch: Arch, path: str, opts: dict[str, Any], device: str, peak: 
         loaded = actor.load(ckpt)
     rows.append(row("DCP save and load", arch.name, loaded == saved != moved, f"digest {saved}",
                     f"loaded {loaded}; a step between them gave {moved}"))
+    with tempfile.TemporaryDirectory() as ckpt:
+        t0 = time.perf_counter()
+        saved = actor.save(ckpt, background=True)
+        blocked = time.perf_counter() - t0
+        actor.train_step(mbs)  # beside the write, from the state the save copied
+        moved, files = actor.weights_digest(), actor.finish_save()
+        loaded = actor.load(ckpt)
+    rows.append(row("DCP background save", arch.name, loaded == saved != moved and ".metadata" in files,
+                    f"blocked {blocked:.2f} s", f"loaded {loaded}; the step beside the write gave {moved}"))
 
     rows.append(check_offload(actor, mbs, arch.name, device))
     if device != "cuda":

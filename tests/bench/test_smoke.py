@@ -73,9 +73,9 @@ def test_gpu_smoke_checks_run_on_cpu(tmp_path: Path) -> None:
                        ("two ranks, one GPU: trainer", "-"), ("CUDA IPC handover", "-"), ("ipc payload", "-")}, results
     assert all(v == "ok" for k, v in results.items() if k not in skipped), results
     assert {c for c, _ in results} == {"setup", "logprobs vs transformers fp32", "train step", "DCP save and load",
-                                       "side-stream gather", "optimizer offload", "two ranks, one GPU: config",
+                                       "DCP background save", "side-stream gather", "optimizer offload", "two ranks, one GPU: config",
                                        "two ranks, one GPU: trainer", "CUDA IPC handover", "ipc payload"}
-    assert report["failed"] == [] and "9 ok, 0 failed, 7 skipped" in stdout
+    assert report["failed"] == [] and "11 ok, 0 failed, 7 skipped" in stdout
 
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="this machine has CUDA: the smoke would run")
