@@ -17,6 +17,7 @@ gloo group, the staging buffers) is a warm-up, reported apart. Medians over `--r
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import shutil
@@ -89,9 +90,9 @@ def _worker(rank: int, world: int, port: int, model_name: str, opts: dict[str, A
     times.update(step_alone=[], copy=[], digest=[])
     for r in range(opts["rounds"] + 1):
         for mode in MODES[:: 1 if r % 2 == 0 else -1]:
-            path = os.path.join(root, f"{mode}_{r}")
+            path = os.path.join(root, f"save{MODES.index(mode)}_{r}")
             key = mode if r else "warmup"
-            times[f"{key}_blocked"].append(_timed(lambda: actor.save(path, background=mode != "sync")))
+            times[f"{key}_blocked"].append(_timed(functools.partial(actor.save, path, background=mode != "sync")))
             if mode != MODES[2]:
                 times[f"{key}_step"].append(_timed(lambda: actor.train_step(mbs)))
             times[f"{key}_wait"].append(_timed(actor.finish_save))

@@ -47,8 +47,8 @@ class Rank:
 def test_a_background_checkpoint_commits_only_once_written(ray_cluster, tmp_path, capsys) -> None:
     ranks = [ray.remote(concurrency_groups={CHECKPOINT: 1})(Rank).options(num_cpus=0).remote(i) for i in range(2)]
     ckpts = checkpoint.Checkpoints(tmp_path, ranks, keep=5, background=True, timeout_s=5)
-    hold = lambda: ray.get([r.hold.remote() for r in ranks])  # noqa: E731
-    release = lambda: ray.get([r.release.remote() for r in ranks])  # noqa: E731
+    hold = lambda: ray.get([r.hold.remote() for r in ranks])
+    release = lambda: ray.get([r.release.remote() for r in ranks])
 
     sync = checkpoint.Checkpoints(tmp_path / "sync", ranks, keep=1)  # checkpoint.async_save=false
     assert sync.save("rl", 1, {}) == tmp_path / "sync" / "ckpt_rl_00000001" and sync.pending is None
