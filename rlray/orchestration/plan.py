@@ -200,6 +200,10 @@ class Plan:
         lines += [f"  {k:<18}{v / GB:8.2f}" for k, v in self.trainer.items()]
         lines.append(f"  {'total':<18}{sum(self.trainer.values()) / GB:8.2f}   (activations with "
                      f"activation_checkpointing={not t.activation_checkpointing}: {self.activations_other / GB:.2f})")
+        if c.checkpoint.async_save:  # DCP's staging copy, kept from save to save (rlray.actors.saver)
+            held = sum(v for k, v in self.trainer.items() if k in ("fp32 weights", "fp32 adapters", "AdamW state"))
+            lines.append(f"  checkpoint.async_save: {held / GB:.2f} GB more per rank in host memory"
+                         f"{' (pinned)' if self.on_gpu else ''}, the copy of its state a background write reads")
         if self.on_gpu:
             fit = self.ranks_to_fit()
             lines.append(f"  fits on {fit} trainer GPUs or more" if fit else "  fits on no number of trainer GPUs")

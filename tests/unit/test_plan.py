@@ -21,6 +21,8 @@ def test_dry_run_of_the_full_glm_recipe_prints_the_plan_and_starts_nothing() -> 
                    "plan fits"):
         assert needle in out, (needle, out)
     assert "controller reached" not in result.stderr
+    # weights and AdamW's moments of 106.85B parameters over 24 ranks, copied for the background write
+    assert f"checkpoint.async_save: {12 * 106.85e9 / 24 / 1e9:.1f}" in out, out  # 53.4 GB
 
 
 def test_an_elastic_pool_is_planned_from_its_minimum_to_its_maximum() -> None:
