@@ -354,6 +354,7 @@ class ClusterConfig:
     num_cpus: int = 8  # logical CPUs declared for a local Ray (fractional bundles fit)
     num_gpus: int | None = None  # GPUs a local Ray declares; None: what torch sees (never more)
     gpu_memory_gb: float = 80.0  # memory of one GPU, for the plan's fit check (H100 80, H200 141)
+    host_memory_gb: float = 2048.0  # host RAM of one node, for the plan's HF-export check (DGX H100/H200: 2 TB)
     gpus_per_node: int = 8  # GPUs of one node, for the plan: an engine is one Ray bundle, which one node holds
     dashboard_host: str = "127.0.0.1"
     backend: str = "auto"  # auto: nccl when the bundles have GPUs, else gloo

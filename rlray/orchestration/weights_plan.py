@@ -1,0 +1,291 @@
+"""The plan's forecast of the weight path: what a sync moves and how long it takes, by broadcast and by m2n, what
+the HF export needs in host RAM, and what a checkpoint writes. Estimates, printed as such by `dry_run=true`.
+
+Contract: `weights_plan(c, shape)` returns a `WeightsPlan` (None when syncs move no full weights over a network:
+`cluster.colocate`, LoRA; `Unplanned`, one line, when the engines' TP splits a tensor their loaders cannot). `lines()` is what the plan prints, `problems()` a predicted sync past
+`weights.sync_timeout_s` (one line; the run would give up on every sync), `warnings()` an HF export larger than one
+node's `cluster.host_memory_gb` (one line; the run trains and checkpoints, its last step fails).
+- The wire list is the trainer's (rlray.actors.publisher.WeightPublisher.shard_source) from the config alone: the
+  model on the meta device, every parameter and persistent floating buffer under its name, each with its layout as
+  FSDP2 and EP leave it (`layouts`: dense Shard(0) over all trainer.num_ranks; routed experts, with trainer.ep > 1,
+  _StridedShard(0, ep) on efsdp and Shard(0) on ep; buffers replicated), experts per expert where the family sends
+  them so, fused experts transposed where its checkpoints are; the engines' dtype on the wire, buffers in their own.
+- Workers: rollout.num_actors engines (rollout.max_actors for an elastic pool: its largest) x data_parallel_size
+  replicas x tensor_parallel_size; rlray.weightsync.totals counts the m2n plan's bytes and messages.
+- Time model (`Costs`): seconds = message_s x messages + byte_s x bytes + tensor_s x tensors, at the busiest end:
+  m2n, the larger of the busiest trainer rank (bytes and messages it sends) and the busiest worker (bytes and
+  messages it receives), plus the most tensors one worker loads; broadcast, trainer rank 0 sending every byte in
+  buckets (gathers overlap them) and every worker loading every tensor. The lower bound is the larger of the largest
+  shard one rank holds and the largest slice one worker reads, each moved once, over one link, nothing else.
+  `GPU` takes published link bandwidths; `CPU` is provisional until `fit(rows)` (least squares, non-negative, over
+  measured (messages, bytes, tensors, seconds)) fills it from `python -m rlray.bench weight-sync`.
+- HF export: today rank 0 gathers the whole model in the trainer's fp32 masters (rlray.actors.state.export_hf), which
+  is what is checked; a streamed export (each rank writes its own shards in bf16, gathering one layer) is shown beside
+  it. Checkpoint: each rank's DCP shard, fp32 weights and AdamW state (and the KL reference with algo.kl_coef > 0),
+  written at `FS_BYTES_S` per rank.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from rlray.config import Config, backend, weight_backend
+from rlray.config.families import family, known
+from rlray.models.shape import ModelShape
+from rlray.orchestration.phases import BYTES, GB
+from rlray.weightsync.boxes import Dims, Engines, Layout, Wire, replicated
+from rlray.weightsync.totals import Holders, Totals, held_bytes, totals
+from rlray.weightsync.transport import BUCKET_BYTES
+
+FS_BYTES_S = 2e9  # a checkpoint's write rate per trainer rank: a parallel filesystem's ~16 GB/s per node of 8 GPUs
+NCCL_BUCKET_BYTES = 1 << 30  # vLLM's packed NCCL buffer when weights.bucket_mb is unset
+
+
+@dataclass(frozen=True)
+class Costs:
+    """One transport's time model: seconds = message_s x messages + byte_s x bytes + tensor_s x tensors."""
+
+    message_s: float
+    byte_s: float
+    tensor_s: float
+
+    def seconds(self, messages: float, nbytes: float, tensors: float) -> float:
+        return self.message_s * messages + self.byte_s * nbytes + self.tensor_s * tensors
+
+
+@dataclass(frozen=True)
+class Links:
+    m2n: Costs
+    broadcast: Costs
+    link_bytes_s: float  # one rank's link: the lower bound's rate
+    source: str  # where the constants come from, printed with the forecast
+
+
+# H200 nodes: ~45 GB/s per GPU (a 400 Gb/s NIC each) for point-to-point and gathers; a broadcast from one GPU to the
+# engines' nodes realistically 20-40 GB/s (30 here). Per message and per tensor: assumed, not published (NCCL's
+# point-to-point latency is tens of microseconds; vLLM's load_weights is a Python call per tensor, and DeepSeek-V3's
+# scans its expert mapping in each), until the CPU fit's per-tensor figure replaces them.
+GPU = Links(Costs(20e-6, 1 / 45e9, 50e-6), Costs(20e-6, 1 / 30e9, 50e-6), 45e9,
+            "GPU: 45 GB/s per link, broadcast 30 GB/s (published H200 figures); 20 us per message, 50 us per loaded "
+            "tensor (assumed)")
+# Provisional: gloo's bucketed broadcast measured 1.1-1.3 GB/s here (BENCHMARKS.md "weight-sync"); per message and
+# per tensor unmeasured (0) until `fit` fills them from the weight-sync benchmark's rows.
+CPU = Links(Costs(0.0, 1 / 1.2e9, 0.0), Costs(0.0, 1 / 1.2e9, 0.0), 1.2e9,
+            "CPU (provisional): 1.2 GB/s, gloo's bucketed broadcast on this machine; per message and per tensor "
+            "not yet fitted")
+
+
+def fit(rows: list[tuple[float, float, float, float]]) -> Costs:
+    """The non-negative least-squares `Costs` of measured rows (messages, bytes, tensors, seconds): every subset of
+    the three terms is solved and the best fit with no negative coefficient kept (exact NNLS for three unknowns)."""
+    import numpy as np
+
+    if len(rows) < 2:
+        raise ValueError(f"fit needs 2 or more measured rows, got {len(rows)}")
+    a, s = np.array([r[:3] for r in rows], dtype=float), np.array([r[3] for r in rows], dtype=float)
+    best, best_err = np.zeros(3), float(np.sum(s**2))
+    for k in (1, 2, 3):
+        for cols in itertools.combinations(range(3), k):
+            x = np.linalg.lstsq(a[:, cols], s, rcond=None)[0]
+            err = float(np.sum((a[:, cols] @ x - s) ** 2))
+            if (x >= 0).all() and err < best_err - 1e-18 * max(1.0, best_err):
+                best, best_err = np.zeros(3), err
+                best[list(cols)] = x
+    return Costs(*(float(v) for v in best))
+
+
+# ---- the wire list from the config ------------------------------------------------------------
+def wires(c: Config, hf: Any) -> tuple[list[Wire], list[Layout], Dims]:
+    """The trainer's wire tensors, their layouts over trainer.num_ranks, and the loader dims (see the contract)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    from rlray.models.load import EXPERTS, FUSED
+    from rlray.models.multimodal import is_vision, vision_tower
+    from rlray.parallel.expert import moe_experts
+    from rlray.parallel.hf import expert_sharded, experts_transposed_on_disk
+
+    with torch.device("meta"):
+        model = (AutoModelForImageTextToText if is_vision(hf) else AutoModelForCausalLM).from_config(hf)
+    n, ep = c.trainer.num_ranks, c.trainer.ep
+    dense = Layout((n,), tuple(range(n)), (("S", 0),))
+    experts = Layout((n // ep, ep), tuple(range(n)), (("SS", 0, ep), ("S", 0)))
+    layouts = [dense, experts, replicated(range(n))]
+    sharded = {id(getattr(m, p)) for _, m in moe_experts(model) for p in expert_sharded(m)} if ep > 1 else set()
+    tower = vision_tower(model) if c.trainer.freeze_vision else None
+    unsent = {id(p) for p in tower.parameters()} if tower is not None else set()
+    model_type = hf.model_type
+    f = family(model_type) if known(model_type) else None
+    per_expert, transposed = bool(f and f.send_per_expert), experts_transposed_on_disk(model_type)
+    wire_bytes = BYTES.get(str(c.rollout.dtype), 2)
+    out: list[Wire] = []
+    for name, p in model.named_parameters():
+        if id(p) in unsent:
+            continue
+        shape, layout = tuple(p.shape), 1 if id(p) in sharded else 0
+        fused = EXPERTS.match(name) if per_expert else None
+        if fused is not None:
+            parts = f.expert_names.get(fused["param"], (fused["param"],)) if f else (fused["param"],)
+            out += [Wire(f"{fused['prefix']}.{e}.{part}", (shape[1] // len(parts), *shape[2:]), wire_bytes, layout,
+                         shape, e, (k, len(parts))) for e in range(shape[0]) for k, part in enumerate(parts)]
+            continue
+        flipped = transposed and FUSED.match(name) is not None
+        out.append(Wire(name, (shape[0], shape[2], shape[1]) if flipped else shape, wire_bytes, layout, shape,
+                        flipped=flipped))
+    persistent = set(model.state_dict())
+    out += [Wire(name, tuple(b.shape), b.dtype.itemsize, 2, tuple(b.shape)) for name, b in model.named_buffers()
+            if name in persistent and b.is_floating_point()]
+    text = hf.get_text_config()
+    return out, layouts, Dims(int(getattr(text, "num_key_value_heads", 0) or 0), bool(f and f.sliced_experts))
+
+
+def engines(c: Config) -> Engines:
+    """Every engine's TP group in weight-group order: the pool at its largest, each DP replica a group."""
+    r = c.rollout
+    count = max(r.num_actors, r.max_actors or 0) * r.data_parallel_size
+    return Engines((r.tensor_parallel_size,) * count, r.expert_parallel)
+
+
+def size(n: float) -> str:
+    """Bytes for people: 3.99 MB, 213.70 GB, 2.05 TB."""
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def secs(s: float) -> str:
+    return f"{s:.2f} s" if s >= 0.01 else f"{s * 1e3:.2g} ms"
+
+
+# ---- the forecast ---------------------------------------------------------------------------
+@dataclass
+class WeightsPlan:
+    c: Config
+    shape: ModelShape
+    m2n: Totals
+    held: list[int]  # bytes of the wire tensors each trainer rank holds (its shards, each byte once)
+    nbytes: int  # one sync's bytes, every wire tensor once
+    links: Links
+
+    @property
+    def buckets(self) -> int:
+        mb = self.c.weights.bucket_mb
+        bucket = mb << 20 if mb else NCCL_BUCKET_BYTES if weight_backend(self.c) == "nccl" else BUCKET_BYTES
+        return math.ceil(self.nbytes / bucket)
+
+    def m2n_terms(self) -> tuple[int, int, int]:
+        """(messages, bytes, tensors) at the busiest end of an m2n sync."""
+        t = self.m2n
+        return max(max(t.sends), max(t.receives)), max(max(t.sent), max(t.received)), max(t.tensors)
+
+    def seconds(self, transport: str) -> float:
+        if transport == "m2n":
+            return self.links.m2n.seconds(*self.m2n_terms())
+        return self.links.broadcast.seconds(self.buckets, self.nbytes, self.m2n.wires)
+
+    @property
+    def lower_bound(self) -> float:
+        return max(max(self.held), max(self.m2n.received)) / self.links.link_bytes_s
+
+    def export_gb(self) -> tuple[float, float]:
+        """(host RAM of today's export on rank 0: the fp32 model; of a streamed export per rank: its shards and
+        one layer in bf16), GB."""
+        s = self.shape
+        return 4 * s.params / GB, (2 * s.params / self.c.trainer.num_ranks + 2 * (s.layer_dense + s.layer_experts)) / GB
+
+    def checkpoint_bytes(self) -> float:
+        """One trainer rank's DCP shard: fp32 weights and AdamW's two moments, and the KL reference's weights with
+        algo.kl_coef > 0."""
+        ref = 4 * self.shape.params if self.c.algo.kl_coef > 0 else 0
+        return (12 * self.shape.params + ref) / self.c.trainer.num_ranks
+
+    def lines(self) -> list[str]:
+        return self._sync_lines() + self._storage_lines()
+
+    def _sync_lines(self) -> list[str]:
+        c, t, r = self.c, self.m2n, self.c.rollout
+        busiest, worker = t.busiest, max(range(len(t.received)), key=t.received.__getitem__)
+        gpu_m2n = c.trainer.gpus_per_rank and weight_backend(c) != "m2n_gloo"
+        note = " (m2n runs on gloo only today: its GPU figure is a forecast for NCCL point-to-point)" if gpu_m2n else ""
+        imbalance = max(t.sent) * len(t.sent) / max(sum(t.sent), 1)
+        return [f"weight sync forecast (estimates; weights.transport={c.weights.transport} is this run's){note}:",
+                (f"  one sync: {size(self.nbytes)} in {t.wires:,} tensors, {c.trainer.num_ranks} trainer ranks -> "
+                 f"{len(t.received)} workers ({len(engines(c).tp)} TP groups of {r.tensor_parallel_size})"),
+                (f"  broadcast: trainer rank 0 sends {size(self.nbytes)} in {self.buckets:,} buckets, every worker "
+                 f"receives it all and loads {t.wires:,} tensors: ~{secs(self.seconds('broadcast'))}"),
+                (f"  m2n: the busiest trainer rank ({busiest}) sends {size(max(t.sent))} in {max(t.sends):,} messages, "
+                 f"the busiest worker ({worker}) receives {size(max(t.received))} in {max(t.receives):,} messages and "
+                 f"loads {max(t.tensors):,} tensors; {t.messages:,} messages in all: ~{secs(self.seconds('m2n'))} "
+                 f"(imbalance {imbalance:.2f})"),
+                (f"  lower bound: {secs(self.lower_bound)} (each rank sends its {size(max(self.held))} shard once, each "
+                 f"worker receives its {size(max(t.received))} slice, at {self.links.link_bytes_s / GB:g} GB/s)"),
+                f"  time model: {self.links.source} (rlray.orchestration.weights_plan)"]
+
+    def _storage_lines(self) -> list[str]:
+        c = self.c
+        gathered, streamed = self.export_gb()
+        per_rank = self.checkpoint_bytes()
+        return [(f"HF export (checkpoint.export_hf={str(c.checkpoint.export_hf).lower()}): today rank 0 gathers the "
+                 f"fp32 model, {size(gathered * GB)} of host RAM on its node (cluster.host_memory_gb="
+                 f"{c.cluster.host_memory_gb:g}); streamed (each rank its bf16 shards + one layer): "
+                 f"{size(streamed * GB)} per rank"),
+                (f"checkpoint (DCP): {size(per_rank)} per rank, {size(per_rank * c.trainer.num_ranks)} in all; "
+                 f"~{secs(per_rank / FS_BYTES_S)} at {FS_BYTES_S / GB:g} GB/s per rank "
+                 "(rlray.orchestration.weights_plan.FS_BYTES_S, assumed)")]
+
+    def problems(self) -> list[str]:
+        w = self.c.weights
+        seconds = self.seconds(w.transport)
+        if seconds <= w.sync_timeout_s:
+            return []
+        other = "m2n" if w.transport == "broadcast" else "broadcast"
+        runs = other == "broadcast" or backend(self.c) == "gloo"  # m2n runs on the gloo weight path only
+        faster = f", or weights.transport={other} (~{secs(self.seconds(other))})" \
+            if runs and self.seconds(other) <= w.sync_timeout_s else ""
+        source = self.links.source.split(":")[0]
+        return [(f"weights.sync_timeout_s={w.sync_timeout_s:g} but a {w.transport} sync is predicted to take "
+                 f"~{secs(seconds)} ({source} time model); raise weights.sync_timeout_s{faster}")]
+
+    def warnings(self) -> list[str]:
+        gathered, host = self.export_gb()[0], self.c.cluster.host_memory_gb
+        if not self.c.checkpoint.export_hf or gathered <= host:
+            return []
+        return [(f"checkpoint.export_hf=true: rank 0 gathers the model for the HF export, {gathered:.0f} GB of host "
+                 f"RAM, more than cluster.host_memory_gb={host:g}; set checkpoint.export_hf=false (export from a "
+                 "checkpoint on a larger host) or raise cluster.host_memory_gb")]
+
+
+def weights_plan(c: Config, shape: ModelShape) -> WeightsPlan | Unplanned | None:
+    """The forecast of `c`'s full-weight syncs over the network; None when colocated or with LoRA, `Unplanned` when
+    the engines' shape has no m2n plan (the loaders' split refused)."""
+    if c.cluster.colocate or c.trainer.lora.enabled:
+        return None
+    wire, layouts, dims = wires(c, shape.hf)
+    n, held = c.trainer.num_ranks, Holders(layouts)
+    try:
+        m2n = totals(wire, layouts, n, engines(c), dims, held)
+    except ValueError as e:
+        return Unplanned(c, str(e))
+    return WeightsPlan(c, shape, m2n, held_bytes(wire, layouts, n, held), sum(w.nbytes for w in wire),
+                       GPU if c.trainer.gpus_per_rank else CPU)
+
+
+@dataclass
+class Unplanned:
+    """An engine shape no m2n plan serves: one line, and a problem when the run syncs by m2n."""
+
+    c: Config
+    error: str
+
+    def lines(self) -> list[str]:
+        return [f"weight sync forecast: none ({self.error})"]
+
+    def problems(self) -> list[str]:
+        return [f"weights.transport=m2n: {self.error}"] if self.c.weights.transport == "m2n" else []
+
+    def warnings(self) -> list[str]:
+        return []
