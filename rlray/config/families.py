@@ -177,7 +177,7 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("glm4_moe", ("glm4_moe",), "Glm4MoeConfig",
            lambda cfg: {**_experts(cfg), "n_routed_experts": cfg.num_experts, "n_shared_experts": 1,
                         "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1}, GLM_MOE,
-           sliced_experts=True, catalog=("zai-org/GLM-4.5-Air",)),
+           sliced_experts=True, catalog=("zai-org/GLM-4.5-Air", "zai-org/GLM-4.5")),
     # Kimi-K2's checkpoints say kimi_k2, a model_type transformers does not know: the same architecture
     Family("deepseek_v3", ("deepseek_v3", "kimi_k2"), "DeepseekV3Config", _deepseek_v3,
            MoE("n_routed_experts", "sigmoid", ("DeepseekV3TopkRouter",), shared_width="n_shared_experts"),

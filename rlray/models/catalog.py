@@ -35,6 +35,11 @@ GLM45_AIR = {  # zai-org/GLM-4.5-Air: 106B total, 12B active
     "routed_scaling_factor": 1.0, "partial_rotary_factor": 0.5, "max_position_embeddings": 131072,
     "rope_theta": 1000000.0, "tie_word_embeddings": False, "use_qk_norm": False, "rms_norm_eps": 1e-5,
 }
+# zai-org/GLM-4.5: 355B total (the card's figure counts its multi-token-prediction layer, which transformers does not
+# build), 32B active; GLM-4.5-Air's architecture, wider, with query-key norms and 3 dense layers
+GLM45 = {**GLM45_AIR, "hidden_size": 5120, "intermediate_size": 12288, "num_hidden_layers": 92,
+         "moe_intermediate_size": 1536, "n_routed_experts": 160, "first_k_dense_replace": 3,
+         "routed_scaling_factor": 2.5, "use_qk_norm": True}
 QWEN3_30B_A3B = {  # Qwen/Qwen3-30B-A3B: 30.5B total, 3.3B active
     "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 48,
     "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "moe_intermediate_size": 768,
@@ -57,6 +62,9 @@ class Entry:
     active: str  # the parameters per token it publishes
     counts: Counts  # what that figure counts beside the decoder layers
     exact: int | None = None  # the checkpoint's parameters to the unit, as transformers builds it (None: unpublished)
+    # the card's total also counts a multi-token-prediction layer that transformers does not build, and matches no
+    # count of the config: the total is held to `exact` alone
+    total_with_mtp: bool = False
 
 
 QWEN3_VL_8B = {  # Qwen/Qwen3-VL-8B-Instruct: 8.77B, dense (the vlm recipe's model)
@@ -168,6 +176,11 @@ KIMI_K2 = {  # moonshotai/Kimi-K2-Instruct: 1T, 32B active; DeepSeek-V3's archit
 }
 CATALOG: dict[str, Entry] = {
     "zai-org/GLM-4.5-Air": Entry("glm4_moe", GLM45_AIR, "106B", "12B", counts="layers"),
+    # the card's 355B is no count of this config: transformers' build (no MTP layer) has 352.80B, with the MTP layer
+    # (a decoder layer, its 2H x H projection and norms, sharing embedding and head) 356.79B; its exact count holds
+    # every width, and the 32B active figure (32.08B by the layers rule) is the card's
+    "zai-org/GLM-4.5": Entry("glm4_moe", GLM45, "355B", "32B", counts="layers", exact=352_797_814_784,
+                             total_with_mtp=True),
     "Qwen/Qwen3-30B-A3B": Entry("qwen3_moe", QWEN3_30B_A3B, "30.5B", "3.3B", counts="all"),
     "Qwen/Qwen3-4B": Entry("qwen3", QWEN3_4B, "4.0B", "4.0B", counts="all"),
     "Qwen/Qwen3-VL-8B-Instruct": Entry("qwen3_vl", QWEN3_VL_8B, "8.77B", "8.77B", counts="all"),
