@@ -2,7 +2,8 @@
 
 Contract: composes `conf/config.yaml` with the recipe, its CPU twin and the overrides,
 validates the result into a typed `Config` and its plan (rlray.orchestration.plan: mesh, engines, memory
-per GPU), exiting 1 with one line naming the bad key or the shortfall, before Ray starts. Colocated with
+per GPU), exiting 1 with one line naming the bad key or the shortfall, before Ray starts; what the run survives
+but should know (an HF export larger than a node's host RAM) is printed as one `warning:` line each. Colocated with
 async.max_off_policy_steps=1, a plan in which trainer and engine do not fit a GPU at once sets it to 0
 (one line says so).
 `dry_run=true` prints the plan (checked against the cluster's resources when connected to
@@ -69,6 +70,8 @@ def _plan(config: Config) -> Plan:
     problems = plan.problems()
     if problems:
         raise ConfigError("; ".join(problems))
+    for warning in plan.warnings():
+        print(f"warning: {warning}", flush=True)
     if config.cluster.colocate and config.async_.max_off_policy_steps == 1 and not plan.overlap_fits():
         config.async_.max_off_policy_steps = 0
         print(f"cluster.colocate=true: trainer and engine need ~{plan.phases()['both']:.0f} GB at once, more than "

@@ -5,7 +5,10 @@ meta-device build counts its parameters exactly: no weights, no Ray) and returns
 `render()` is what `dry_run=true` prints (`summary()` its one-line digest), `problems()` lists what cannot fit, one line each
 naming the part, the shortfall and a fix, and `gpus`/`cpus` are what the run asks of the
 cluster (`rlray.config.resources.needs`). The memory figures are estimates, stated as such: a trainer rank's and an
-engine GPU's are rlray.orchestration.memory's formulas.
+engine GPU's are rlray.orchestration.memory's formulas. The weight path's forecast (`weights`,
+rlray.orchestration.weights_plan: a sync by broadcast and by m2n, its lower bound, the HF export's host RAM, the
+checkpoint per rank) prints with the plan; a sync predicted past weights.sync_timeout_s is a problem, an export past
+cluster.host_memory_gb one of `warnings()`.
 Colocated (`cluster.colocate`), per device: the train, handover and generate phases of the turns and
 both at once (rlray.orchestration.phases, with the ipc handover's buffer on GPUs). The run takes turns
 (async.max_off_policy_steps=0) unless both fit at once.
@@ -34,6 +37,7 @@ from rlray.models.shape import ModelShape, human, model_shape
 from rlray.orchestration import phases
 from rlray.orchestration.memory import activations, engine_memory, engine_shortfall, trainer_memory
 from rlray.orchestration.phases import BYTES, GB
+from rlray.orchestration.weights_plan import Unplanned, WeightsPlan, weights_plan
 from rlray.parallel.dims import ParallelDims
 from rlray.types import route_dtype
 from rlray.weightsync.transport import BUCKET_BYTES, SHM_BUCKET_BYTES
@@ -74,6 +78,7 @@ class Plan:
     activations_other: float  # with the other activation-checkpointing setting, for comparison
     teacher_shape: ModelShape | None = None  # algo.loss=opd: the teacher's model, and its engines' memory
     teacher: dict[str, float] | None = None
+    weights: WeightsPlan | Unplanned | None = None  # the weight path's forecast (rlray.orchestration.weights_plan)
 
     @property
     def states_gb(self) -> float:
@@ -125,6 +130,7 @@ class Plan:
         if heads % tp:
             out.append(f"rollout.tensor_parallel_size={tp} does not divide the model's {heads} attention heads")
         out += self._teacher_problems()
+        out += self.weights.problems() if self.weights else []
         if not self.on_gpu:
             return out
         mem, need = c.cluster.gpu_memory_gb, sum(self.trainer.values()) / GB
@@ -140,6 +146,10 @@ class Plan:
             return out + phases.problems(self)
         shortfall = engine_shortfall(self.shape, c.rollout, c.cluster, "rollout")
         return out + ([shortfall] if shortfall else [])
+
+    def warnings(self) -> list[str]:
+        """What the run survives but should know before it starts, one line each (an HF export too large)."""
+        return self.weights.warnings() if self.weights else []
 
     def summary(self) -> str:
         """One line for the console of a real run (the whole plan goes to plan.txt)."""
@@ -195,6 +205,7 @@ class Plan:
         how = phases.weight_sync_line(self) if b == "ipc" else f"{b}, {bucket}"
         lines.append(f"weight sync: {how}; a sync gives up after weights.sync_timeout_s={w.sync_timeout_s:g}s"
                      + (f", one broadcast after weights.group_timeout_s={w.group_timeout_s:g}s" if b == "gloo" else ""))
+        lines += self.weights.lines() if self.weights else []
         where = f"GPU of {c.cluster.gpu_memory_gb:g} GB" if self.on_gpu else "CPU rank (host RAM)"
         lines.append(f"memory per trainer {where} (estimate, GB):")
         lines += [f"  {k:<18}{v / GB:8.2f}" for k, v in self.trainer.items()]
@@ -288,7 +299,7 @@ def make_plan(c: Config) -> Plan:
     dims = ParallelDims(c.trainer.num_ranks, ep=c.trainer.ep, cp=c.trainer.cp)
     other = activations(shape, c, not c.trainer.activation_checkpointing)
     plan = Plan(c, shape, dims, trainer_memory(shape, c), engine_memory(shape, c.rollout, c.cluster.gpu_memory_gb),
-                other)
+                other, weights=weights_plan(c, shape))
     if c.teacher.enabled:
         from rlray.models.catalog import architecture
 
