@@ -3,8 +3,8 @@ the HF export needs in host RAM, and what a checkpoint writes. Estimates, printe
 
 Contract: `weights_plan(c, shape)` returns a `WeightsPlan` (None when syncs move no full weights over a network:
 `cluster.colocate`, LoRA; `Unplanned`, one line, when the engines' TP splits a tensor their loaders cannot). `lines()` is what the plan prints, `problems()` a predicted sync past
-`weights.sync_timeout_s` (one line; the run would give up on every sync), `warnings()` an HF export larger than one
-node's `cluster.host_memory_gb` (one line; the run trains and checkpoints, its last step fails).
+`weights.sync_timeout_s` (one line; the run would give up on every sync), `warnings()` an HF export needing more
+than one node's `cluster.host_memory_gb` (one line; the run trains and checkpoints, its last step fails).
 - The wire list is the trainer's (rlray.actors.publisher.WeightPublisher.shard_source) from the config alone: the
   model on the meta device, every parameter and persistent floating buffer under its name, each with its layout as
   FSDP2 and EP leave it (`layouts`: dense Shard(0) over all trainer.num_ranks; routed experts, with trainer.ep > 1,
@@ -19,9 +19,11 @@ node's `cluster.host_memory_gb` (one line; the run trains and checkpoints, its l
   shard one rank holds and the largest slice one worker reads, each moved once, over one link, nothing else.
   `GPU` takes published link bandwidths; `CPU` is provisional until `fit(rows)` (least squares, non-negative, over
   measured (messages, bytes, tensors, seconds)) fills it from `python -m rlray.bench weight-sync`.
-- HF export: today rank 0 gathers the whole model in the trainer's fp32 masters (rlray.actors.state.export_hf), which
-  is what is checked; a streamed export (each rank writes its own shards in bf16, gathering one layer) is shown beside
-  it. Checkpoint: each rank's DCP shard, fp32 weights and AdamW state (and the KL reference with algo.kl_coef > 0),
+- HF export (rlray.models.export, streamed: every rank writes its own tensors in bf16): host RAM per rank beyond its
+  shards, up to one layer's fp32 bytes (experts included: an upper estimate, experts stored per expert are written
+  where they are held) or the largest root tensor (embedding, head) in bf16, whichever is more; times the trainer
+  ranks of one node (`cluster.gpus_per_node`; on CPU every rank) against `cluster.host_memory_gb`. Beside it, what
+  the gathered export it replaced put on rank 0 (the fp32 model). Checkpoint: each rank's DCP shard, fp32 weights and AdamW state (and the KL reference with algo.kl_coef > 0),
   written at `FS_BYTES_S` per rank.
 """
 
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,6 +45,7 @@ from rlray.weightsync.transport import BUCKET_BYTES
 
 FS_BYTES_S = 2e9  # a checkpoint's write rate per trainer rank: a parallel filesystem's ~16 GB/s per node of 8 GPUs
 NCCL_BUCKET_BYTES = 1 << 30  # vLLM's packed NCCL buffer when weights.bucket_mb is unset
+_IN_LAYER = re.compile(r"(?:^|\.)layers\.\d+\.")
 
 
 @dataclass(frozen=True)
@@ -170,6 +174,7 @@ class WeightsPlan:
     held: list[int]  # bytes of the wire tensors each trainer rank holds (its shards, each byte once)
     nbytes: int  # one sync's bytes, every wire tensor once
     links: Links
+    root_largest: int = 0  # elements of the largest tensor outside the decoder layers (embedding, head)
 
     @property
     def buckets(self) -> int:
@@ -191,11 +196,12 @@ class WeightsPlan:
     def lower_bound(self) -> float:
         return max(max(self.held), max(self.m2n.received)) / self.links.link_bytes_s
 
-    def export_gb(self) -> tuple[float, float]:
-        """(host RAM of today's export on rank 0: the fp32 model; of a streamed export per rank: its shards and
-        one layer in bf16), GB."""
-        s = self.shape
-        return 4 * s.params / GB, (2 * s.params / self.c.trainer.num_ranks + 2 * (s.layer_dense + s.layer_experts)) / GB
+    def export_bytes(self) -> tuple[float, float]:
+        """(host RAM of the streamed export per rank, per node of trainer ranks), bytes; see the contract."""
+        s, n = self.shape, self.c.trainer.num_ranks
+        rank = max(4 * (s.layer_dense + s.layer_experts), 2 * self.root_largest)
+        on_node = min(n, self.c.cluster.gpus_per_node) if self.c.trainer.gpus_per_rank else n
+        return rank, rank * on_node
 
     def checkpoint_bytes(self) -> float:
         """One trainer rank's DCP shard: fp32 weights and AdamW's two moments, and the KL reference's weights with
@@ -227,12 +233,12 @@ class WeightsPlan:
 
     def _storage_lines(self) -> list[str]:
         c = self.c
-        gathered, streamed = self.export_gb()
+        rank, node = self.export_bytes()
         per_rank = self.checkpoint_bytes()
-        return [(f"HF export (checkpoint.export_hf={str(c.checkpoint.export_hf).lower()}): today rank 0 gathers the "
-                 f"fp32 model, {size(gathered * GB)} of host RAM on its node (cluster.host_memory_gb="
-                 f"{c.cluster.host_memory_gb:g}); streamed (each rank its bf16 shards + one layer): "
-                 f"{size(streamed * GB)} per rank"),
+        return [(f"HF export (checkpoint.export_hf={str(c.checkpoint.export_hf).lower()}, streamed, bf16): up to "
+                 f"{size(rank)} of host RAM per rank beyond its shards, {size(node)} per node "
+                 f"(cluster.host_memory_gb={c.cluster.host_memory_gb:g}); the gathered export it replaced put "
+                 f"{size(4 * self.shape.params)} on rank 0"),
                 (f"checkpoint (DCP): {size(per_rank)} per rank, {size(per_rank * c.trainer.num_ranks)} in all; "
                  f"~{secs(per_rank / FS_BYTES_S)} at {FS_BYTES_S / GB:g} GB/s per rank "
                  "(rlray.orchestration.weights_plan.FS_BYTES_S, assumed)")]
@@ -251,12 +257,12 @@ class WeightsPlan:
                  f"~{secs(seconds)} ({source} time model); raise weights.sync_timeout_s{faster}")]
 
     def warnings(self) -> list[str]:
-        gathered, host = self.export_gb()[0], self.c.cluster.host_memory_gb
-        if not self.c.checkpoint.export_hf or gathered <= host:
+        node, host = self.export_bytes()[1] / GB, self.c.cluster.host_memory_gb
+        if not self.c.checkpoint.export_hf or node <= host:
             return []
-        return [(f"checkpoint.export_hf=true: rank 0 gathers the model for the HF export, {gathered:.0f} GB of host "
-                 f"RAM, more than cluster.host_memory_gb={host:g}; set checkpoint.export_hf=false (export from a "
-                 "checkpoint on a larger host) or raise cluster.host_memory_gb")]
+        return [(f"checkpoint.export_hf=true: the HF export may take up to {node:.0f} GB of host RAM on a node of "
+                 f"trainer ranks, more than cluster.host_memory_gb={host:g}; raise cluster.host_memory_gb if the nodes "
+                 "have it, or set checkpoint.export_hf=false")]
 
 
 def weights_plan(c: Config, shape: ModelShape) -> WeightsPlan | Unplanned | None:
@@ -270,8 +276,9 @@ def weights_plan(c: Config, shape: ModelShape) -> WeightsPlan | Unplanned | None
         m2n = totals(wire, layouts, n, engines(c), dims, held)
     except ValueError as e:
         return Unplanned(c, str(e))
+    root = max((math.prod(w.shape) for w in wire if not _IN_LAYER.search(w.name)), default=0)
     return WeightsPlan(c, shape, m2n, held_bytes(wire, layouts, n, held), sum(w.nbytes for w in wire),
-                       GPU if c.trainer.gpus_per_rank else CPU)
+                       GPU if c.trainer.gpus_per_rank else CPU, root)
 
 
 @dataclass
