@@ -22,7 +22,8 @@ than one node's `cluster.host_memory_gb` (one line; the run trains and checkpoin
 - HF export (rlray.models.export, streamed: every rank writes its own tensors in bf16): host RAM per rank beyond its
   shards, up to one layer's fp32 bytes (experts included: an upper estimate, experts stored per expert are written
   where they are held) or the largest root tensor (embedding, head) in bf16, whichever is more; times the trainer
-  ranks of one node (`cluster.gpus_per_node`; on CPU every rank) against `cluster.host_memory_gb`. Beside it, what
+  ranks of one node (`cluster.gpus_per_node`; on CPU every rank), each beside its checkpoint.async_save staging copy
+  (fp32 weights and AdamW state), against `cluster.host_memory_gb`. Beside it, what
   the gathered export it replaced put on rank 0 (the fp32 model). Checkpoint: each rank's DCP shard, fp32 weights and AdamW state (and the KL reference with algo.kl_coef > 0),
   written at `FS_BYTES_S` per rank.
 """
@@ -197,11 +198,13 @@ class WeightsPlan:
         return max(max(self.held), max(self.m2n.received)) / self.links.link_bytes_s
 
     def export_bytes(self) -> tuple[float, float]:
-        """(host RAM of the streamed export per rank, per node of trainer ranks), bytes; see the contract."""
+        """(host RAM of the streamed export per rank, per node of trainer ranks with checkpoint.async_save's staging
+        copy of each rank's fp32 weights and AdamW state beside it), bytes; see the contract."""
         s, n = self.shape, self.c.trainer.num_ranks
         rank = max(4 * (s.layer_dense + s.layer_experts), 2 * self.root_largest)
+        staging = 12 * s.params / n if self.c.checkpoint.async_save else 0.0
         on_node = min(n, self.c.cluster.gpus_per_node) if self.c.trainer.gpus_per_rank else n
-        return rank, rank * on_node
+        return rank, (rank + staging) * on_node
 
     def checkpoint_bytes(self) -> float:
         """One trainer rank's DCP shard: fp32 weights and AdamW's two moments, and the KL reference's weights with
@@ -236,12 +239,13 @@ class WeightsPlan:
         rank, node = self.export_bytes()
         per_rank = self.checkpoint_bytes()
         return [(f"HF export (checkpoint.export_hf={str(c.checkpoint.export_hf).lower()}, streamed, bf16): up to "
-                 f"{size(rank)} of host RAM per rank beyond its shards, {size(node)} per node "
-                 f"(cluster.host_memory_gb={c.cluster.host_memory_gb:g}); the gathered export it replaced put "
+                 f"{size(rank)} of host RAM per rank beyond its shards, {size(node)} per node"
+                 f"{' with checkpoint.async_save' if c.checkpoint.async_save else ''} (cluster.host_memory_gb="
+                 f"{c.cluster.host_memory_gb:g}); the gathered export it replaced put "
                  f"{size(4 * self.shape.params)} on rank 0"),
                 (f"checkpoint (DCP): {size(per_rank)} per rank, {size(per_rank * c.trainer.num_ranks)} in all; "
-                 f"~{secs(per_rank / FS_BYTES_S)} at {FS_BYTES_S / GB:g} GB/s per rank "
-                 "(rlray.orchestration.weights_plan.FS_BYTES_S, assumed)")]
+                 f"~{secs(per_rank / FS_BYTES_S)} of writing at {FS_BYTES_S / GB:g} GB/s per rank "
+                 f"(rlray.orchestration.weights_plan.FS_BYTES_S, assumed){', in the background' if c.checkpoint.async_save else ''}")]
 
     def problems(self) -> list[str]:
         w = self.c.weights
@@ -261,8 +265,8 @@ class WeightsPlan:
         if not self.c.checkpoint.export_hf or node <= host:
             return []
         return [(f"checkpoint.export_hf=true: the HF export may take up to {node:.0f} GB of host RAM on a node of "
-                 f"trainer ranks, more than cluster.host_memory_gb={host:g}; raise cluster.host_memory_gb if the nodes "
-                 "have it, or set checkpoint.export_hf=false")]
+                 f"trainer ranks (checkpoint.async_save's staging copies included), more than cluster.host_memory_gb="
+                 f"{host:g}; raise cluster.host_memory_gb if the nodes have it, or set checkpoint.export_hf=false")]
 
 
 def weights_plan(c: Config, shape: ModelShape) -> WeightsPlan | Unplanned | None:
