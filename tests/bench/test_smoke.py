@@ -123,7 +123,12 @@ def test_weight_sync_quick(tmp_path: Path) -> None:
         assert {r["bucket_mb"] for r in rows if r["size"] == size and r["method"] == "bucketed"} == {16, "1 tensor"}
     assert all(0 < r["vs_memcpy"] for r in rows)
     assert "bucketed(16MB) / per-tensor" in stdout and "x memcpy" in stdout
-    (e2e,) = report["sections"]
+    e2e, m2n = report["sections"]
+    paths = {r["path"]: r for r in m2n["rows"]}  # 2 trainer ranks into one bf16 TP 2 engine, each path
+    assert set(paths) == {"broadcast", "m2n"} and {r["trainers"] for r in m2n["rows"]} == {2}
+    positive(m2n["rows"], "seconds", "mb_busiest", "mb_worker")
+    assert paths["m2n"]["mb_busiest"] < 0.6 * paths["broadcast"]["mb_busiest"]  # each rank sends its own half
+    assert paths["m2n"]["mb_worker"] < 0.6 * paths["broadcast"]["mb_worker"]  # each TP worker gets what it reads
     by = {(r["engine"], r["wire"], r["mode"]): r for r in e2e["rows"]}
     assert set(by) == {("raw gloo", "float32", "broadcast only"), ("raw gloo", "bfloat16", "broadcast only"),
                        ("bf16 TP1", "bfloat16", "dense"), ("bf16 TP1", "bfloat16", "delta lr=0.0001"),
