@@ -4,7 +4,8 @@ For each trainer size, T processes (gloo, FSDP2 over all T) hold the model; trai
 engine. First an engine on rlray's broadcast path ("gloo": every rank gathers each parameter, rank 0 sends it
 whole), then one on the many-to-many path ("m2n_gloo": every rank sends its own slices, each worker receives what
 it reads); each timed `publish` runs on every rank between two barriers, after one warm-up sync. Rows: seconds
-(median), the bytes the busiest trainer rank sent and what one worker received, and the messages (m2n).
+(median), the bytes the busiest trainer rank sent and what one worker received, the messages (m2n), and the most
+any rank's resident memory grew over the syncs (VmHWM reset before the first) beside m2n's staging bound.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from rlray.bench.common import Column, free_port
 COLUMNS = [Column("trainers", "trainer ranks"), Column("path", "path"), Column("engine", "engine"),
            Column("seconds", "seconds", "{:.3f}"), Column("best", "best s", "{:.3f}"),
            Column("mb_busiest", "MB busiest rank", "{:.1f}"), Column("mb_worker", "MB per worker", "{:.1f}"),
-           Column("messages", "messages"), Column("vs_broadcast", "x broadcast", "{:.3f}")]
+           Column("messages", "messages"), Column("peak_mb", "peak MB (a rank)", "{:.1f}"),
+           Column("bound_mb", "staging bound MB", "{:.1f}"), Column("vs_broadcast", "x broadcast", "{:.3f}")]
 
 
 def _rank(rank: int, world: int, port: int, out: dict, path: str, dtype: str, tp: int, repeats: int) -> None:
@@ -55,6 +57,7 @@ def _rank(rank: int, world: int, port: int, out: dict, path: str, dtype: str, tp
             publisher.open(TrainerSpec(backend, "127.0.0.1", 0, senders + tp, None, 600.0, trainers=world,
                                        engine_tp=(tp,)), client)
             times, sent = [], 0.0
+            base = _reset_peak()
             for v in range(repeats + 1):
                 dist.barrier()
                 t0 = time.perf_counter()
@@ -62,13 +65,17 @@ def _rank(rank: int, world: int, port: int, out: dict, path: str, dtype: str, tp
                 dist.barrier()
                 if v:
                     times.append(time.perf_counter() - t0)
-            busiest = [torch.zeros(1, dtype=torch.float64) for _ in range(world)]
-            dist.all_gather(busiest, torch.tensor([sent], dtype=torch.float64))
+            grown = _peak_kb() - base  # from before the first sync: staging buffers touched, casts, gathers
             m2n = getattr(publisher.transfer, "plan", None)
+            bound = _staging_bound(m2n, publisher.transfer.source, rank) if m2n else float("nan")
+            busiest = [torch.zeros(3, dtype=torch.float64) for _ in range(world)]
+            dist.all_gather(busiest, torch.tensor([sent, grown * 1024.0, bound], dtype=torch.float64))
             whole = sum(math.prod(m.shape) * m.dtype.itemsize for m in publisher.transfer.source.metadata())
             rows.append({"trainers": world, "path": "m2n" if m2n else "broadcast", "engine": f"{dtype} TP{tp}",
                          "seconds": statistics.median(times), "best": min(times),
-                         "mb_busiest": max(float(b) for b in busiest) / 1e6,
+                         "mb_busiest": max(float(b[0]) for b in busiest) / 1e6,
+                         "peak_mb": max(float(b[1]) for b in busiest) / 1e6,
+                         "bound_mb": max(float(b[2]) for b in busiest) / 1e6 if m2n else "-",
                          "mb_worker": (max(m2n.received) if m2n else whole) / 1e6,
                          "messages": m2n.messages if m2n else "-"})
         finally:
@@ -81,6 +88,38 @@ def _rank(rank: int, world: int, port: int, out: dict, path: str, dtype: str, tp
         out["rows"] = rows
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _reset_peak() -> int:
+    """Reset this process's VmHWM to its VmRSS (Linux) and return that, in kB."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return _status_kb("VmRSS")
+
+
+def _peak_kb() -> int:
+    return _status_kb("VmHWM")
+
+
+def _status_kb(key: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(key + ":"))
+
+
+def _staging_bound(p: Any, source: Any, rank: int) -> float:
+    """What an m2n sync may hold on trainer rank `rank`: its two send buffers per worker (the plan's largest message
+    on each link) and one layer group's local shards cast to the wire dtype."""
+    from rlray.weightsync.boxes import offsets
+
+    links: dict[int, int] = {}
+    for g in range(len(p.pieces)):
+        for (src, dst), pieces in p.links(g).items():
+            if src == rank:
+                links[dst] = max(links.get(dst, 0), offsets(pieces)[1])
+    cast = max((sum(source.layouts[w.layout].held(w.param_shape, rank).numel * w.itemsize
+                    for w in group if w.expert < 0) for group in p.groups), default=0)
+    experts = max((sum(w.nbytes for w in group if w.expert >= 0) for group in p.groups), default=0)
+    return float(2 * sum(links.values()) + cast + experts)
 
 
 def _run(rank: int, *args: Any) -> None:
