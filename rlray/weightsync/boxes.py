@@ -1,6 +1,7 @@
 """The shard plan of the many-to-many weight path: which slice of each checkpoint tensor every trainer rank holds,
 which slice every engine worker's loaders read, and what moves between them. Pure: shapes and layouts in, no
-processes; the m2n engines (rlray.weightsync.m2n), their tests and the recipe planner (rlray.orchestration.plan) read it.
+processes; the m2n engines (rlray.weightsync.m2n), their tests and the recipe planner read it (the planner through
+rlray.weightsync.totals, the same numbers without enumerating pieces).
 
 Contract:
 - `Box(offset, shape)`: a block of a tensor in the full tensor's coordinates; `a & b` is their overlap or None.
@@ -363,7 +364,7 @@ def layer_groups(wires: list[Wire]) -> list[list[Wire]]:
 
 
 def plan(wires: list[Wire], layouts: list[Layout], trainers: int, engines: Engines, dims: Dims) -> Plan:
-    """Every piece that moves: for each wire tensor, the overlap of each trainer rank's box with each worker's region."""
+    """Every piece that moves: for each wire tensor, each trainer rank's box overlapped with each worker's region."""
     workers = engines.workers()
     groups = layer_groups(wires)
     out = Plan(groups, [], trainers, len(workers), [0] * trainers, [0] * len(workers))

@@ -266,7 +266,8 @@ class M2NTrainerWeightTransferEngine(TrainerWeightTransferEngine[M2NTrainerInitI
             return engine
         workers = M2NInitInfo(master_address=host, master_port=port, rank_offset=init_info.trainers,
                               world_size=init_info.world_size, trainers=init_info.trainers,
-                              timeout_s=init_info.timeout_s, wires=_wire_dicts(source.wires), layouts=[asdict(x) for x in source.layouts],
+                              timeout_s=init_info.timeout_s, wires=_wire_dicts(source.wires),
+                              layouts=[asdict(x) for x in source.layouts],
                               dtypes={n: str(d).removeprefix("torch.") for n, d in source.dtypes.items()},
                               tp=list(init_info.tp), kv_heads=source.dims.kv_heads,
                               sliced_experts=source.dims.sliced_experts, expert_parallel=init_info.expert_parallel,
