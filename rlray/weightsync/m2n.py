@@ -323,6 +323,7 @@ class M2NTrainerWeightTransferEngine(TrainerWeightTransferEngine[M2NTrainerInitI
                     _view(buffer, offset, piece, local.dtype).copy_(piece.box.within(origin).of(local))
                     sent += piece.nbytes
                 in_flight[g % 2].append(self.group.pg.send([buffer], self.info.trainers + dst, g))
+            shards = {}  # packed: drop this group's casts before the next group's are made
         for works in in_flight.values():
             for work in works:
                 work.wait()
