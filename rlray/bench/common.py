@@ -106,6 +106,8 @@ class Report:
 def _cell(value: Any, fmt: str) -> str:
     if value is None:
         return "-"
+    if isinstance(value, str):  # a text cell ("-": not measured) in a numeric column
+        return value
     if isinstance(value, float) and fmt == "{}":
         return f"{value:.4g}"
     return fmt.format(value)

@@ -5,7 +5,11 @@ engine. First an engine on rlray's broadcast path ("gloo": every rank gathers ea
 whole), then one on the many-to-many path ("m2n_gloo": every rank sends its own slices, each worker receives what
 it reads); each timed `publish` runs on every rank between two barriers, after one warm-up sync. Rows: seconds
 (median), the bytes the busiest trainer rank sent and what one worker received, the messages (m2n), and the most
-any rank's resident memory grew over the syncs (VmHWM reset before the first) beside m2n's staging bound.
+any rank's resident memory grew over the syncs (VmHWM reset before the first) beside m2n's staging bound, the time
+model's terms (rlray.orchestration.weights_plan: m2n the busiest end's messages and bytes and the most tensors one
+worker loads; the broadcast a message per bucket and per parameter gathered, its bytes and tensors) and the load average. Then the raw collectives of the same
+sync, without model or vLLM (T + workers plain processes: the plan's messages point to point; rank 0's broadcast of
+every byte in rlray's gloo buckets): "x raw" is end to end over raw.
 """
 
 from __future__ import annotations
@@ -19,12 +23,15 @@ from typing import Any
 import torch
 
 from rlray.bench.common import Column, free_port
+from rlray.weightsync.transport import BUCKET_BYTES
 
 COLUMNS = [Column("trainers", "trainer ranks"), Column("path", "path"), Column("engine", "engine"),
            Column("seconds", "seconds", "{:.3f}"), Column("best", "best s", "{:.3f}"),
            Column("mb_busiest", "MB busiest rank", "{:.1f}"), Column("mb_worker", "MB per worker", "{:.1f}"),
            Column("messages", "messages"), Column("peak_mb", "peak MB (a rank)", "{:.1f}"),
-           Column("bound_mb", "staging bound MB", "{:.1f}"), Column("vs_broadcast", "x broadcast", "{:.3f}")]
+           Column("bound_mb", "staging bound MB", "{:.1f}"), Column("raw_s", "raw s", "{:.3f}"),
+           Column("vs_raw", "x raw", "{:.2f}"), Column("vs_broadcast", "x broadcast", "{:.3f}"),
+           Column("load", "load")]
 
 
 def _rank(rank: int, world: int, port: int, out: dict, path: str, dtype: str, tp: int, repeats: int) -> None:
@@ -36,6 +43,7 @@ def _rank(rank: int, world: int, port: int, out: dict, path: str, dtype: str, tp
     from rlray.config import TrainerConfig
     from rlray.models.load import build_model
     from rlray.parallel.dims import ParallelDims
+    from rlray.weightsync.boxes import parameters
     from rlray.weightsync.transport import TrainerSpec
 
     torch.set_num_threads(1)
@@ -70,8 +78,14 @@ def _rank(rank: int, world: int, port: int, out: dict, path: str, dtype: str, tp
             bound = _staging_bound(m2n, publisher.transfer.source, rank) if m2n else float("nan")
             busiest = [torch.zeros(3, dtype=torch.float64) for _ in range(world)]
             dist.all_gather(busiest, torch.tensor([sent, grown * 1024.0, bound], dtype=torch.float64))
-            whole = sum(math.prod(m.shape) * m.dtype.itemsize for m in publisher.transfer.source.metadata())
-            rows.append({"trainers": world, "path": "m2n" if m2n else "broadcast", "engine": f"{dtype} TP{tp}",
+            metadata = publisher.transfer.source.metadata()
+            whole = sum(math.prod(m.shape) * m.dtype.itemsize for m in metadata)
+            gathers = parameters(publisher.shard_source(world).wires)  # the broadcast gathers each once
+            terms = _m2n_terms(m2n) if m2n else (math.ceil(whole / BUCKET_BYTES) + gathers, whole, len(metadata))
+            if rank == 0 and m2n:
+                out["plan"], out["whole"] = m2n, whole
+            rows.append({"fit_messages": terms[0], "fit_bytes": terms[1], "fit_tensors": terms[2],
+                         "load": round(os.getloadavg()[0], 2), "trainers": world, "path": "m2n" if m2n else "broadcast", "engine": f"{dtype} TP{tp}",
                          "seconds": statistics.median(times), "best": min(times),
                          "mb_busiest": max(float(b[0]) for b in busiest) / 1e6,
                          "peak_mb": max(float(b[1]) for b in busiest) / 1e6,
@@ -88,6 +102,15 @@ def _rank(rank: int, world: int, port: int, out: dict, path: str, dtype: str, tp
         out["rows"] = rows
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _m2n_terms(p: Any) -> tuple[int, int, int]:
+    """(messages, bytes, tensors) at the busiest end of an m2n sync: the plan's time-model terms
+    (rlray.orchestration.weights_plan.WeightsPlan.m2n_terms)."""
+    from rlray.weightsync.totals import of_plan
+
+    t = of_plan(p)
+    return max(max(t.sends), max(t.receives)), max(max(t.sent), max(t.received)), max(t.tensors)
 
 
 def _reset_peak() -> int:
@@ -127,6 +150,66 @@ def _run(rank: int, *args: Any) -> None:
     os._exit(0)  # skip interpreter teardown (gloo/FSDP threads; tests/dist/common.py)
 
 
+def _raw_rank(rank: int, world: int, port: int, out: dict, p: Any, whole: int, repeats: int) -> None:
+    """The raw collectives of one sync, no model and no vLLM: plain processes for the trainer ranks [0, T) and the
+    workers [T, world); m2n: the plan's messages, pipelined over two buffers per link as the engines do;
+    broadcast: rank 0 broadcasts the sync's bytes in rlray's gloo buckets to every worker."""
+    import torch.distributed as dist
+
+    from rlray.weightsync.boxes import offsets
+    from rlray.weightsync.m2n import _buffers
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    t = p.trainers
+    group = dist.new_group([0, *range(t, world)])
+    worker = rank - t if rank >= t else None
+    buffers = _buffers(p, (lambda q: q.dst if q.src == rank else None) if worker is None else
+                       (lambda q: q.src if q.dst == worker else None))
+    bucket = torch.empty(min(BUCKET_BYTES, whole), dtype=torch.uint8) if rank == 0 or worker is not None else None
+
+    def m2n() -> None:
+        mine = (lambda src, dst: src == rank) if worker is None else (lambda src, dst: dst == worker)
+        pending: dict[int, list[Any]] = {0: [], 1: []}
+        for g in range(len(p.pieces)):
+            for work in pending[g % 2]:
+                work.wait()
+            pending[g % 2] = []
+            for (src, dst), pieces in p.links(g).items():
+                if mine(src, dst):
+                    peer = dst if worker is None else src
+                    buffer = buffers[peer][g % 2][:offsets(pieces)[1]]
+                    op = dist.isend if worker is None else dist.irecv
+                    pending[g % 2].append(op(buffer, peer + t if worker is None else peer, tag=g))
+        for works in pending.values():
+            for work in works:
+                work.wait()
+
+    def broadcast() -> None:
+        if bucket is not None:
+            for at in range(0, whole, BUCKET_BYTES):
+                dist.broadcast(bucket[:min(BUCKET_BYTES, whole - at)], src=0, group=group)
+
+    times: dict[str, list[float]] = {"broadcast": [], "m2n": []}
+    for v in range(repeats + 1):
+        for path, run in (("broadcast", broadcast), ("m2n", m2n)):
+            dist.barrier()
+            t0 = time.perf_counter()
+            run()
+            dist.barrier()
+            if v:
+                times[path].append(time.perf_counter() - t0)
+    if rank == 0:
+        out["raw"] = {path: (statistics.median(ts), min(ts)) for path, ts in times.items()}
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _run_raw(rank: int, *args: Any) -> None:
+    _raw_rank(rank, *args)
+    os._exit(0)
+
+
 def measure(path: str, trainers: list[int], dtype: str, tp: int, repeats: int) -> list[dict[str, Any]]:
     import torch.multiprocessing as mp
 
@@ -135,7 +218,14 @@ def measure(path: str, trainers: list[int], dtype: str, tp: int, repeats: int) -
         print(f"m2n vs broadcast: {world} trainer ranks, one {dtype} TP{tp} engine", flush=True)
         out = mp.Manager().dict()
         mp.spawn(_run, args=(world, free_port(), out, path, dtype, tp, repeats), nprocs=world, join=True)
-        rows += out["rows"]
+        found, p = out["rows"], out["plan"]
+        print(f"raw collectives of the same sync: {world} trainer processes, {p.workers} worker processes", flush=True)
+        mp.spawn(_run_raw, args=(world + p.workers, free_port(), out, p, out["whole"], repeats),
+                 nprocs=world + p.workers, join=True)
+        for row in found:
+            row["raw_s"], _ = out["raw"][row["path"]]
+            row["vs_raw"] = row["seconds"] / row["raw_s"]
+        rows += found
     return rows
 
 
