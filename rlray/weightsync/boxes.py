@@ -226,6 +226,12 @@ class Wire:
         return param_local.transpose(1, 2) if self.flipped else param_local
 
 
+def parameters(wires: list[Wire]) -> int:
+    """How many trainer parameters (and buffers) `wires` come from: what the broadcast gathers, one collective each
+    (a fused experts tensor sent per expert is one)."""
+    return sum(1 for w in wires if w.expert < 0 or (w.expert == 0 and w.part[0] == 0))
+
+
 @dataclass(frozen=True)
 class Dims:
     kv_heads: int = 0  # 0: no k/v rule (k/v go whole)

@@ -126,7 +126,7 @@ def test_weight_sync_quick(tmp_path: Path) -> None:
     e2e, m2n = report["sections"]
     paths = {r["path"]: r for r in m2n["rows"]}  # 2 trainer ranks into one bf16 TP 2 engine, each path
     assert set(paths) == {"broadcast", "m2n"} and {r["trainers"] for r in m2n["rows"]} == {2}
-    positive(m2n["rows"], "seconds", "mb_busiest", "mb_worker")
+    positive(m2n["rows"], "seconds", "mb_busiest", "mb_worker", "raw_s", "vs_raw")  # beside the raw collectives
     assert paths["m2n"]["mb_busiest"] < 0.6 * paths["broadcast"]["mb_busiest"]  # each rank sends its own half
     assert paths["m2n"]["mb_worker"] < 0.6 * paths["broadcast"]["mb_worker"]  # each TP worker gets what it reads
     by = {(r["engine"], r["wire"], r["mode"]): r for r in e2e["rows"]}
@@ -214,3 +214,19 @@ def test_mismatch_quick_replay_lowers_the_moe_mismatch(tmp_path: Path) -> None:
     off, on = report["rows"]
     assert (off["replay"], on["replay"]) == ("off", "on") and off["tokens"] == on["tokens"] > 0
     assert 0 < on["mismatch_kl"] < off["mismatch_kl"] and 0 < off["router_agreement"] <= 1
+
+
+@pytest.mark.bench
+@pytest.mark.ray
+@pytest.mark.bench_engines
+def test_weight_fit_quick(tmp_path: Path) -> None:
+    """Two fit twins and one check twin, each synced by both paths: every row has its time-model terms, a measured
+    and a predicted time; the fitted constants are in the JSON, each path's check error among the ratios."""
+    stdout, report = bench("weight-fit", tmp_path)
+    rows = report["rows"]
+    assert {(r["set"], r["path"]) for r in rows} == {(s, p) for s in ("fit", "check") for p in ("broadcast", "m2n")}
+    assert len(rows) == 6
+    positive(rows, "fit_messages", "fit_bytes", "fit_tensors", "seconds", "predicted", "raw_s")
+    assert set(report["params"]["costs"]) == {"broadcast", "m2n"}
+    assert all(min(c.values()) >= 0 for c in report["params"]["costs"].values())
+    assert "m2n: median |predicted / measured - 1| on the check twins" in stdout

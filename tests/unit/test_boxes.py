@@ -13,7 +13,17 @@ import pytest
 import torch
 
 from rlray.config import ModelConfig
-from rlray.weightsync.boxes import Box, Dims, Engines, Layout, Wire, plan, replicated, worker_boxes
+from rlray.weightsync.boxes import (
+    Box,
+    Dims,
+    Engines,
+    Layout,
+    Wire,
+    parameters,
+    plan,
+    replicated,
+    worker_boxes,
+)
 
 FSDP4 = Layout((4,), (0, 1, 2, 3), (("S", 0),))
 
@@ -122,3 +132,13 @@ def test_twin_plans_cover_each_region_once_and_balance_the_senders(twin: str, tr
     assert max(p.received[:2]) <= 0.55 * whole, (p.received, whole)
     assert sum(p.sent) == sum(p.received) and p.imbalance <= 1.1, (p.sent, p.imbalance)
     assert p.messages <= len(p.groups) * trainers * len(engines.workers())
+
+
+def test_parameters_counts_a_fused_experts_tensor_sent_per_expert_once() -> None:
+    """What the broadcast gathers: q_proj, and 3 experts' gate_up (sent as gate and up, 6 wires) and down (3 wires)
+    from two fused parameters: 3 parameters from 10 wire tensors."""
+    q = Wire("model.layers.0.self_attn.q_proj.weight", (8, 4), 2, 0, (8, 4))
+    gate_up = [Wire(f"model.layers.0.mlp.experts.{e}.{part}", (2, 4), 2, 0, (3, 4, 4), e, (k, 2))
+               for e in range(3) for k, part in enumerate(("gate_proj.weight", "up_proj.weight"))]
+    down = [Wire(f"model.layers.0.mlp.experts.{e}.down_proj.weight", (4, 2), 2, 0, (3, 4, 2), e) for e in range(3)]
+    assert parameters([q, *gate_up, *down]) == 3

@@ -81,11 +81,12 @@ def test_a_hand_computed_sync() -> None:
 
 
 def test_the_fit_recovers_its_costs_and_keeps_them_non_negative() -> None:
-    truth = Costs(message_s=2e-4, byte_s=1 / 1.5e9, tensor_s=3e-5)
+    truth = Costs(message_s=2e-4, byte_s=1 / 1.5e9, tensor_s=3e-5, sync_s=0.05)
     rows = [(m, b, t, truth.seconds(m, b, t)) for m, b, t in
-            [(10, 1e8, 300), (40, 5e8, 300), (200, 2e9, 4000), (80, 2e8, 9000)]]
+            [(10, 1e8, 300), (40, 5e8, 300), (200, 2e9, 4000), (80, 2e8, 9000), (5, 1e6, 20)]]
+    assert truth.seconds(10, 1e8, 300) == pytest.approx(10 * 2e-4 + 1e8 / 1.5e9 + 300 * 3e-5 + 0.05)
     got = fit(rows)
-    for name in ("message_s", "byte_s", "tensor_s"):
+    for name in ("message_s", "byte_s", "tensor_s", "sync_s"):
         assert getattr(got, name) == pytest.approx(getattr(truth, name), rel=1e-6)
     noisy = [(10, 1e8, 100, 0.10), (20, 2e8, 100, 0.19), (30, 3e8, 50, 0.31)]  # unconstrained: a negative term
     got = fit(noisy)
@@ -141,3 +142,21 @@ def test_colocated_and_lora_runs_have_no_network_forecast() -> None:
     c = Config()
     c.trainer.lora.rank = 4
     assert weights_plan(c, shape_of(c)) is None
+
+
+def test_weight_fit_fits_on_its_fit_rows_and_predicts_the_others() -> None:
+    """rlray.bench.weight-fit's `fitted`: each path's constants from its "fit" rows only; every row's prediction
+    and error, the "check" rows' included (here measured 10% over what the fitted costs give)."""
+    from rlray.bench.weight_fit import fitted
+
+    truth = {"m2n": Costs(1e-3, 1e-9, 1e-4, 0.02), "broadcast": Costs(0.0, 2e-9, 2e-4, 0.05)}
+    shapes = {"fit": [(8, 1e6, 25), (36, 1.2e7, 179), (10, 4e7, 30), (24, 9e7, 70)], "check": [(12, 1e7, 47)]}
+    rows = [{"path": path, "set": kind, "fit_messages": m, "fit_bytes": b, "fit_tensors": t,
+             "seconds": truth[path].seconds(m, b, t) * (1.1 if kind == "check" else 1.0)}
+            for path in truth for kind, xs in shapes.items() for m, b, t in xs]
+    costs = fitted(rows)
+    for path, c in truth.items():
+        assert costs[path].seconds(50, 1e8, 100) == pytest.approx(c.seconds(50, 1e8, 100), rel=1e-6)
+    check = [r for r in rows if r["set"] == "check"]
+    assert [r["error"] for r in check] == pytest.approx([1 / 1.1 - 1] * 2)
+    assert all(abs(r["error"]) < 1e-9 for r in rows if r["set"] == "fit")
