@@ -3,10 +3,11 @@ GLM-4.5 MoE twin (a dense first layer, then routed experts and a shared one); tr
 engines, TP 2 and TP 1, their receive buffers poisoned with NaN (RLRAY_WEIGHTS_POISON). Both ranks perturb their
 shards and sync: every rank sends its own slices, and the bytes each rank sent and each worker received are the
 plan's exactly (a TP 2 worker at most 0.55x of the whole model, which today's broadcast sends it); the engines then
-score tokens as transformers does on the gathered weights (fp32: 1e-5 at TP 1, 1e-3 at TP 2), finite, so the plan
-covers every byte their loaders read, and the TP 2 engine's logprobs are bit for bit those of a third engine of the
-same shape synced by today's broadcast. Before any sync both ranks write the streamed HF export of their perturbed
-shards (one file each) and the TP 1 engine starts from it: vLLM serves it as transformers reads it (1e-5)."""
+score tokens as transformers does on the gathered weights (fp32: 1e-6 at TP 1, 1e-3 at TP 2; 4.8e-7 measured at
+both), finite, so the plan covers every byte their loaders read, and the TP 2 engine's logprobs are bit for bit those
+of a third engine of the same shape synced by today's broadcast. Before any sync both ranks write the streamed HF
+export of their perturbed shards (one file each) and the TP 1 engine starts from it: vLLM serves it as transformers
+reads it (1e-6)."""
 
 from __future__ import annotations
 
@@ -117,7 +118,7 @@ def test_every_rank_sends_its_slices_to_the_workers_that_read_them(tmp_path: Pat
     out = spawn(worker, 2, str(path), str(tmp_path))
     assert out["export_files"] == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
     served = np.abs(out["served"] - out["served_expected"]).max()  # vLLM serves the export as transformers reads it
-    assert np.isfinite(out["served"]).all() and served < 1e-5, served
+    assert np.isfinite(out["served"]).all() and served < 1e-6, served
     for rank in range(2):  # the transport's counters are the plan's
         sent, planned = out[f"sent{rank}"]
         assert sent == planned > 0, (rank, sent, planned)
@@ -126,6 +127,8 @@ def test_every_rank_sends_its_slices_to_the_workers_that_read_them(tmp_path: Pat
     assert out["received"][2] == out["whole"]  # the TP 1 worker reads every byte
     m2n, broadcast = out["scored"][0], out["scored"][2]
     assert np.array_equal(m2n, broadcast), np.abs(m2n - broadcast).max()  # bit for bit today's path's, TP 2
-    for scored, tol in zip(out["scored"][:2], (1e-3, 1e-5), strict=True):
+    for tp, scored, tol in zip((2, 1), out["scored"][:2], (1e-3, 1e-6), strict=True):
         assert np.isfinite(scored).all()
-        assert np.abs(scored - out["expected"]).max() < tol, np.abs(scored - out["expected"]).max()
+        gap = np.abs(scored - out["expected"]).max()
+        print(f"TP {tp} engine after the m2n sync: max |logprob - transformers'| {gap:.1e} (export: {served:.1e})")
+        assert gap < tol, gap
