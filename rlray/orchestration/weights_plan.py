@@ -168,6 +168,10 @@ def size(n: float) -> str:
     return f"{n:.0f} B"
 
 
+def plural(n: int, noun: str) -> str:
+    return f"{n:,} {noun}{'' if n == 1 else 's'}"
+
+
 def secs(s: float) -> str:
     return f"{s:.2f} s" if s >= 0.01 else f"{s * 1e3:.2g} ms"
 
@@ -230,9 +234,9 @@ class WeightsPlan:
         imbalance = max(t.sent) * len(t.sent) / max(sum(t.sent), 1)
         return [f"weight sync forecast (estimates; weights.transport={c.weights.transport} is this run's){note}:",
                 (f"  one sync: {size(self.nbytes)} in {t.wires:,} tensors, {c.trainer.num_ranks} trainer ranks -> "
-                 f"{len(t.received)} workers ({len(engines(c).tp)} TP groups of {r.tensor_parallel_size})"),
+                 f"{plural(len(t.received), 'worker')} ({plural(len(engines(c).tp), 'TP group')} of {r.tensor_parallel_size})"),
                 (f"  broadcast: every trainer rank gathers {self.params:,} parameters, rank 0 sends "
-                 f"{size(self.nbytes)} in {self.buckets:,} buckets, every worker "
+                 f"{size(self.nbytes)} in {plural(self.buckets, 'bucket')}, every worker "
                  f"receives it all and loads {t.wires:,} tensors: ~{secs(self.seconds('broadcast'))}"),
                 (f"  m2n: the busiest trainer rank ({busiest}) sends {size(max(t.sent))} in {max(t.sends):,} messages, "
                  f"the busiest worker ({worker}) receives {size(max(t.received))} in {max(t.receives):,} messages and "
