@@ -12,11 +12,12 @@ than one node's `cluster.host_memory_gb` (one line; the run trains and checkpoin
   them so, fused experts transposed where its checkpoints are; the engines' dtype on the wire, buffers in their own.
 - Workers: rollout.num_actors engines (rollout.max_actors for an elastic pool: its largest) x data_parallel_size
   replicas x tensor_parallel_size; rlray.weightsync.totals counts the m2n plan's bytes and messages.
-- Time model (`Costs`): seconds = message_s x messages + byte_s x bytes + tensor_s x tensors + sync_s, at the busiest end:
-  m2n, the larger of the busiest trainer rank (bytes and messages it sends) and the busiest worker (bytes and
-  messages it receives), plus the most tensors one worker loads; broadcast, a message per bucket trainer rank 0
-  sends and per parameter every rank gathers (`boxes.parameters`), every byte, every tensor loaded by every worker. The lower bound is the larger of the largest
-  shard one rank holds and the largest slice one worker reads, each moved once, over one link, nothing else.
+- Time model (`Costs`): seconds = message_s x messages + byte_s x bytes + tensor_s x tensors + sync_s, at the
+  busiest end: m2n, the larger of the busiest trainer rank (bytes and messages it sends) and the busiest worker
+  (bytes and messages it receives), plus the most tensors one worker loads; broadcast, a message per bucket trainer
+  rank 0 sends and per parameter every rank gathers (`boxes.parameters`; none on one rank), every byte, every tensor
+  loaded by every worker. The lower bound is the larger of the largest shard one rank holds and the largest slice
+  one worker reads, each moved once, over one link, nothing else.
   `GPU` takes published link bandwidths; `CPU` is `fit(rows)` (least squares, non-negative, over measured
   (messages, bytes, tensors, seconds)) of `python -m rlray.bench weight-fit`'s rows on this machine.
 - HF export (rlray.models.export, streamed: every rank writes its own tensors in bf16): host RAM per rank beyond its
@@ -234,7 +235,8 @@ class WeightsPlan:
         imbalance = max(t.sent) * len(t.sent) / max(sum(t.sent), 1)
         return [f"weight sync forecast (estimates; weights.transport={c.weights.transport} is this run's){note}:",
                 (f"  one sync: {size(self.nbytes)} in {t.wires:,} tensors, {c.trainer.num_ranks} trainer ranks -> "
-                 f"{plural(len(t.received), 'worker')} ({plural(len(engines(c).tp), 'TP group')} of {r.tensor_parallel_size})"),
+                 f"{plural(len(t.received), 'worker')} ({plural(len(engines(c).tp), 'TP group')} of "
+                 f"{r.tensor_parallel_size})"),
                 (f"  broadcast: every trainer rank gathers {self.params:,} parameters, rank 0 sends "
                  f"{size(self.nbytes)} in {plural(self.buckets, 'bucket')}, every worker "
                  f"receives it all and loads {t.wires:,} tensors: ~{secs(self.seconds('broadcast'))}"),
@@ -294,7 +296,7 @@ def weights_plan(c: Config, shape: ModelShape) -> WeightsPlan | Unplanned | None
         return Unplanned(c, str(e))
     root = max((math.prod(w.shape) for w in wire if not _IN_LAYER.search(w.name)), default=0)
     return WeightsPlan(c, shape, m2n, held_bytes(wire, layouts, n, held), sum(w.nbytes for w in wire),
-                       GPU if c.trainer.gpus_per_rank else CPU, root, parameters(wire))
+                       GPU if c.trainer.gpus_per_rank else CPU, root, parameters(wire) if n > 1 else 0)
 
 
 @dataclass

@@ -288,3 +288,11 @@ def test_the_largest_recipes_print_their_weight_path(recipe: str) -> None:
     assert plan.weights.m2n.wires > 40_000
     assert {"deepseek_v3": "put 2.68 TB on rank 0", "kimi_k2": "put 4.11 TB on rank 0"}[recipe] in text
     assert plan.warnings() == []
+
+
+def test_the_broadcast_forecast_counts_a_gather_per_parameter_only_across_ranks() -> None:
+    """The default tiny model: 47 wire tensors from 47 parameters, gathered on 2 ranks, nothing to gather on one."""
+    two, one = (make_plan(composed(f"trainer.num_ranks={n}")).weights for n in (2, 1))
+    assert (two.params, one.params, two.m2n.wires) == (47, 0, 47)
+    costs = two.links.broadcast
+    assert two.seconds("broadcast") - one.seconds("broadcast") == pytest.approx(47 * costs.message_s)
