@@ -6,10 +6,11 @@ whole), then one on the many-to-many path ("m2n_gloo": every rank sends its own 
 it reads); each timed `publish` runs on every rank between two barriers, after one warm-up sync. Rows: seconds
 (median), the bytes the busiest trainer rank sent and what one worker received, the messages (m2n), and the most
 any rank's resident memory grew over the syncs (VmHWM reset before the first) beside m2n's staging bound, the time
-model's terms (rlray.orchestration.weights_plan: m2n the busiest end's messages and bytes and the most tensors one
-worker loads; the broadcast a message per bucket and per parameter gathered, its bytes and tensors) and the load average. Then the raw collectives of the same
-sync, without model or vLLM (T + workers plain processes: the plan's messages point to point; rank 0's broadcast of
-every byte in rlray's gloo buckets): "x raw" is end to end over raw.
+model's terms (rlray.orchestration.weights_plan: m2n the busiest end's messages and bytes and the most tensors
+one worker loads; the broadcast a message per bucket and per parameter gathered, its bytes and tensors) and the
+load average. Then the raw collectives of the same sync, without model or vLLM (T + workers plain processes: the
+plan's messages point to point; rank 0's broadcast of every byte in rlray's gloo buckets): "x raw" is end to end
+over raw.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ def _rank(rank: int, world: int, port: int, out: dict, path: str, dtype: str, tp
     from rlray.models.load import build_model
     from rlray.parallel.dims import ParallelDims
     from rlray.weightsync.boxes import parameters
+    from rlray.weightsync.totals import of_plan
     from rlray.weightsync.transport import TrainerSpec
 
     torch.set_num_threads(1)
@@ -81,11 +83,12 @@ def _rank(rank: int, world: int, port: int, out: dict, path: str, dtype: str, tp
             metadata = publisher.transfer.source.metadata()
             whole = sum(math.prod(m.shape) * m.dtype.itemsize for m in metadata)
             gathers = parameters(publisher.shard_source(world).wires)  # the broadcast gathers each once
-            terms = _m2n_terms(m2n) if m2n else (math.ceil(whole / BUCKET_BYTES) + gathers, whole, len(metadata))
+            terms = of_plan(m2n).terms() if m2n else (math.ceil(whole / BUCKET_BYTES) + gathers, whole, len(metadata))
             if rank == 0 and m2n:
                 out["plan"], out["whole"] = m2n, whole
             rows.append({"fit_messages": terms[0], "fit_bytes": terms[1], "fit_tensors": terms[2],
-                         "load": round(os.getloadavg()[0], 2), "trainers": world, "path": "m2n" if m2n else "broadcast", "engine": f"{dtype} TP{tp}",
+                         "load": round(os.getloadavg()[0], 2), "trainers": world,
+                         "path": "m2n" if m2n else "broadcast", "engine": f"{dtype} TP{tp}",
                          "seconds": statistics.median(times), "best": min(times),
                          "mb_busiest": max(float(b[0]) for b in busiest) / 1e6,
                          "peak_mb": max(float(b[1]) for b in busiest) / 1e6,
@@ -102,15 +105,6 @@ def _rank(rank: int, world: int, port: int, out: dict, path: str, dtype: str, tp
         out["rows"] = rows
     dist.barrier()
     dist.destroy_process_group()
-
-
-def _m2n_terms(p: Any) -> tuple[int, int, int]:
-    """(messages, bytes, tensors) at the busiest end of an m2n sync: the plan's time-model terms
-    (rlray.orchestration.weights_plan.WeightsPlan.m2n_terms)."""
-    from rlray.weightsync.totals import of_plan
-
-    t = of_plan(p)
-    return max(max(t.sends), max(t.receives)), max(max(t.sent), max(t.received)), max(t.tensors)
 
 
 def _reset_peak() -> int:

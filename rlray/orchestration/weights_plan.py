@@ -197,8 +197,7 @@ class WeightsPlan:
 
     def m2n_terms(self) -> tuple[int, int, int]:
         """(messages, bytes, tensors) at the busiest end of an m2n sync."""
-        t = self.m2n
-        return max(max(t.sends), max(t.receives)), max(max(t.sent), max(t.received)), max(t.tensors)
+        return self.m2n.terms()
 
     def seconds(self, transport: str) -> float:
         if transport == "m2n":

@@ -35,6 +35,11 @@ class Totals:
     tensors: list[int]  # wire tensors per worker (those it receives any piece of: what its loader is called with)
     wires: int = 0  # wire tensors in all
 
+    def terms(self) -> tuple[int, int, int]:
+        """The time model's (messages, bytes, tensors) at the busiest end: the most messages and bytes any trainer
+        rank sends or worker receives, and the most tensors one worker loads."""
+        return max(max(self.sends), max(self.receives)), max(max(self.sent), max(self.received)), max(self.tensors)
+
     @property
     def busiest(self) -> int:
         """The trainer rank that sends the most bytes."""
