@@ -126,7 +126,8 @@ class Controller:
         self.checkpoints.trainers = self.h.trainers
         teachers = f", {len(self.h.teachers)} teacher(s) of {self.c.teacher.name}" if self.teachers else ""
         print(f"actors ready in {time.perf_counter() - t0:.1f}s: {len(self.h.trainers)} trainer ranks, "
-              f"{len(self.h.rollouts)} rollout actors, weight group of {world}{teachers}", flush=True)
+              f"{len(self.h.rollouts)} rollout actor{'' if len(self.h.rollouts) == 1 else 's'}, weight group of "
+              f"{world}{teachers}", flush=True)
 
     # ---- colocated turns (cluster.colocate with async.max_off_policy_steps=0) -------------------
     @property
