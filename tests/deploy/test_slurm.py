@@ -13,6 +13,7 @@ import re
 import shutil
 import stat
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -23,17 +24,22 @@ SCRIPT = ROOT / "docker" / "slurm" / "rlray.sbatch"
 LOCAL_CLUSTER = ROOT / "docker" / "slurm" / "local_cluster.sh"  # the real cluster of test_slurm_cluster.py
 
 FAKE_SRUN = r"""#!/bin/bash
-# srun stand-in: drop the options, run --ntasks copies of the command on "this node".
-n=1
+# srun stand-in: drop the options, run --ntasks copies of the command on "this node", each
+# writing to --output (%t: the task's number) when it is given.
+n=1 out=
 while [[ $# -gt 0 && $1 == -* ]]; do
   case $1 in
     --ntasks=*) n=${1#--ntasks=}; shift ;;
+    --output=*) out=${1#--output=}; shift ;;
     -w|--cpus-per-task) shift 2 ;;
     *) shift ;;
   esac
 done
 pids=()
-for ((i = 0; i < n; i++)); do "$@" & pids+=("$!"); done
+for ((i = 0; i < n; i++)); do
+  if [[ -n $out ]]; then "$@" > "${out//%t/$i}" 2>&1 & else "$@" & fi
+  pids+=("$!")
+done
 trap 'kill "${pids[@]}" 2>/dev/null; exit 143' TERM INT  # srun forwards signals to its tasks
 wait
 """
@@ -57,7 +63,9 @@ EOF
 }
 case "$1 $2" in
   "start --head")
-    echo head >> "$FAKE_STATE/nodes"; record "$@"; exec /bin/sleep 60 ;;
+    record "$@"
+    if [[ ${FAKE_HEAD_DIES:-0} == 1 ]]; then echo "ERROR services.py -- Failed to start the dashboard"; exit 1; fi
+    echo head >> "$FAKE_STATE/nodes"; exec /bin/sleep 60 ;;
   start\ --address=*)
     if [[ ${FAKE_JOIN:-1} == 1 ]]; then echo worker >> "$FAKE_STATE/nodes"; fi
     record "$@"; exec /bin/sleep 60 ;;
@@ -208,6 +216,14 @@ def test_nodes_that_never_join_time_out_before_submitting(fake_slurm) -> None:
     assert not any(c["argv"][:2] == ["job", "submit"] for c in fake_slurm.calls())
 
 
+def test_a_ray_start_that_dies_fails_the_job_with_its_log(fake_slurm) -> None:
+    proc = fake_slurm(FAKE_HEAD_DIES="1")
+    assert proc.returncode == 1
+    assert "a ray start step exited early" in proc.stderr and "Failed to start the dashboard" in proc.stderr, proc.stderr
+    assert (fake_slurm.run_dir / "ray-head.log").is_file()
+    assert not any(c["argv"][:2] == ["job", "submit"] for c in fake_slurm.calls())
+
+
 @pytest.mark.parametrize("env, needle", [
     ({"RECIPE": "no_such_recipe"}, "no recipe recipes/no_such_recipe.yaml"),
     ({"PATH": "/usr/bin:/bin"}, None),
@@ -226,3 +242,12 @@ def test_outside_slurm_exits_1(fake_slurm) -> None:
     proc = fake_slurm(nodes="")
     assert proc.returncode == 1 and "not inside a Slurm allocation" in proc.stderr
     assert not fake_slurm.calls()
+
+
+def test_ray_nodes_the_tests_start_read_the_longer_dashboard_deadlines() -> None:
+    """tests/conftest.py raises two of Ray's dashboard deadlines through the environment; the names
+    are Ray's (private), so a Ray that renamed them would silently bring the 30 s deadline back."""
+    code = ("from ray.dashboard import consts; from ray._private import ray_constants as c; "
+            "print(consts.SUBPROCESS_MODULE_WAIT_READY_TIMEOUT, c.RAY_DASHBOARD_STARTUP_TIMEOUT_S)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["300.0", "600"]
