@@ -136,10 +136,9 @@ class WeightPublisher:
             for wire in pieces:
                 wires.append(wire)
                 held[wire.name], dtypes[wire.name] = (p, layout), dtype
-        config = getattr(self.model.config, "text_config", None) or self.model.config
         model_type = getattr(self.model.config, "model_type", "")
-        dims = Dims(int(getattr(config, "num_key_value_heads", 0) or 0),
-                    known(model_type) and family(model_type).sliced_experts)
+        f = family(model_type) if known(model_type) else None
+        dims = Dims.of(self.model.config, bool(f and f.sliced_experts), bool(f and f.sliced_vision))
 
         def shards(group: list[Any]) -> dict[str, tuple[torch.Tensor, Any]]:
             cast: dict[int, tuple[torch.Tensor, Any]] = {}

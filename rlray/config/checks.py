@@ -54,6 +54,9 @@ def _check_transport(c: Config) -> None:
                                          "adapters, by broadcast; set weights.transport=broadcast")
     _require(not c.cluster.colocate, "weights.transport=m2n with cluster.colocate=true: the colocated handover "
                                      "passes memory; set weights.transport=broadcast")
+    _require(c.rollout.engine_kwargs.get("mm_encoder_tp_mode", "weights") != "data",
+             "weights.transport=m2n with rollout.engine_kwargs.mm_encoder_tp_mode=data: m2n sends each worker its TP "
+             "slices of the vision tower; drop mm_encoder_tp_mode or set weights.transport=broadcast")
 
 
 def _check_devices(c: Config) -> None:

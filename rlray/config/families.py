@@ -87,6 +87,9 @@ class Family:
     # vLLM's fused-MoE loader reads each worker's rows of the routed experts (rlray.weightsync.boxes): a many-to-many
     # sync sends a worker only those; unmarked families send each worker the experts whole (correct, more bytes)
     sliced_experts: bool = False
+    # vLLM splits its vision tower by TP as the language model (Qwen3-VL's blocks and mergers): a many-to-many sync
+    # sends a worker its slices; unmarked families send the tower whole
+    sliced_vision: bool = False
     lora_targets: tuple[str, ...] = LoraConfig.DEFAULT_TARGETS
     catalog: tuple[str, ...] = ()
 
@@ -205,10 +208,11 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            MoE("num_local_experts", "topk_softmax", ("GptOssTopKRouter",), router_attr="router", width="intermediate_size"),
            sinks=True, send_per_expert=True, reload_after=(".sinks",),
            catalog=("openai/gpt-oss-20b", "openai/gpt-oss-120b")),
-    Family("qwen3_vl", ("qwen3_vl", "qwen3_vl_text"), vision="qwen3_vl", catalog=("Qwen/Qwen3-VL-8B-Instruct",)),
+    Family("qwen3_vl", ("qwen3_vl", "qwen3_vl_text"), vision="qwen3_vl", sliced_vision=True,
+           catalog=("Qwen/Qwen3-VL-8B-Instruct",)),
     Family("qwen3_vl_moe", ("qwen3_vl_moe", "qwen3_vl_moe_text"),
            moe=MoE("num_experts", "softmax", ("Qwen3VLMoeTextTopKRouter",)), vision="qwen3_vl_moe", sliced_experts=True,
-           catalog=("Qwen/Qwen3-VL-30B-A3B-Instruct",)),
+           sliced_vision=True, catalog=("Qwen/Qwen3-VL-30B-A3B-Instruct",)),
     Family("glm4v_moe", ("glm4v_moe", "glm4v_moe_text"),
            moe=MoE("n_routed_experts", "sigmoid", ("Glm4vMoeTextTopkRouter",), shared_width="n_shared_experts"),
            vision="glm4v_moe", catalog=("zai-org/GLM-4.5V",)),

@@ -150,8 +150,7 @@ def wires(c: Config, hf: Any) -> tuple[list[Wire], list[Layout], Dims]:
     persistent = set(model.state_dict())
     out += [Wire(name, tuple(b.shape), b.dtype.itemsize, 2, tuple(b.shape)) for name, b in model.named_buffers()
             if name in persistent and b.is_floating_point()]
-    text = hf.get_text_config()
-    return out, layouts, Dims(int(getattr(text, "num_key_value_heads", 0) or 0), bool(f and f.sliced_experts))
+    return out, layouts, Dims.of(hf, bool(f and f.sliced_experts), bool(f and f.sliced_vision))
 
 
 def engines(c: Config) -> Engines:

@@ -13,7 +13,7 @@ Contract:
   and where it lies in its trainer parameter: expert `e` of a fused experts tensor, row part `(k, n)` of it (a
   family that sends gate and up apart), transposed (a family whose checkpoints store fused experts so).
 - `Engines(tp, expert_parallel)`: the engines' TP sizes in weight-group order (engine i's workers after engine
-  i-1's). `Dims(kv_heads, sliced_experts)`: what the loader rules need from the model's config.
+  i-1's). `Dims(kv_heads, sliced_experts, sliced_vision)`: what the loader rules need from the model's config.
 - `worker_boxes(wire, tp_rank, tp, dims, ep)` is the region a worker's vLLM loaders read (rules below); anything
   no rule knows is the whole tensor (correct, only slower).
 - `plan(wires, trainers, engines, dims)` is every piece (tensor, trainer rank, worker, box) grouped per layer,
@@ -23,7 +23,8 @@ Contract:
 The rules are vLLM 0.32's loaders for unquantized weights (tensor parallel): column-parallel rows split evenly
 (q, dense and shared gate/up, MLA's q_b/kv_b), k/v heads split or replicated when TP exceeds them, row-parallel
 columns split evenly (o, dense and shared down), embedding and head rows by the vocabulary padded to 64, routed
-experts (families marked `sliced_experts`) by their intermediate rows and, with engine EP, by whole experts.
+experts (families marked `sliced_experts`) by their intermediate rows and, with engine EP, by whole experts; a
+Qwen3-VL vision tower (families marked `sliced_vision`) by its heads and widths as its language model is.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import math
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -46,6 +48,13 @@ _ROW = re.compile(r"\.(?:o_proj|down_proj)\.weight$")
 _VOCAB = re.compile(r"(?:^|\.)(?:embed_tokens|lm_head)\.weight$")
 _FUSED = re.compile(r"\.experts\.(gate_up_proj|down_proj)$")
 _PER_EXPERT = re.compile(r"\.experts\.\d+\.(gate_proj|up_proj|down_proj)\.weight$")
+# Qwen3-VL's vision tower (vllm/model_executor/models/qwen3_vl.py, qwen2_5_vl.py's attention): its blocks' fused qkv
+# (QKVParallelLinear, as many k/v heads as q heads), the blocks' and the mergers' linear_fc1 column-, attn.proj and
+# linear_fc2 row-parallel; norms, the patch and position embeddings whole
+_VISION = re.compile(r"(?:^|\.)visual\.")
+_VISION_QKV = re.compile(r"\.attn\.qkv\.(?:weight|bias)$")
+_VISION_COLUMN = re.compile(r"\.linear_fc1\.(?:weight|bias)$")
+_VISION_ROW = re.compile(r"\.(?:attn\.proj|linear_fc2)\.weight$")
 
 
 @dataclass(frozen=True)
@@ -236,6 +245,15 @@ def parameters(wires: list[Wire]) -> int:
 class Dims:
     kv_heads: int = 0  # 0: no k/v rule (k/v go whole)
     sliced_experts: bool = False  # routed experts loaded by vLLM's fused-MoE rows (rlray.config.families)
+    sliced_vision: bool = False  # a Qwen3-VL vision tower split by the engines' TP (not mm_encoder_tp_mode=data)
+
+    @classmethod
+    def of(cls, config: Any, sliced_experts: bool, sliced_vision: bool) -> Dims:
+        """From a transformers config (a vision-language one's text config holds the k/v heads) and its family's
+        flags (rlray.config.families)."""
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        return cls(int(getattr(text, "num_key_value_heads", 0) or 0), sliced_experts,
+                   sliced_vision and getattr(config, "vision_config", None) is not None)
 
 
 @dataclass(frozen=True)
@@ -258,6 +276,8 @@ def worker_boxes(wire: Wire, tp_rank: int, tp: int, dims: Dims, ep: bool = False
         per = padded // tp
         start, end = min(tp_rank * per, shape[0]), min((tp_rank + 1) * per, shape[0])
         return [rows(shape, 0, start, end - start)] if end > start else []
+    if dims.sliced_vision and _VISION.search(name):
+        return _vision(wire, tp_rank, tp)
     if not _LANGUAGE.search(name) or "visual" in name or "vision" in name:
         return [whole(shape)]
     if dims.sliced_experts and (fused := _FUSED.search(name)):
@@ -274,6 +294,19 @@ def worker_boxes(wire: Wire, tp_rank: int, tp: int, dims: Dims, ep: bool = False
             return [rows(shape, 0, *_even(shape[0], tp, tp_rank, name))]
         return [rows(shape, 0, (tp_rank // (tp // dims.kv_heads)) * head, head)]
     if _ROW.search(name) and len(shape) == 2:
+        return [rows(shape, 1, *_even(shape[1], tp, tp_rank, name))]
+    return [whole(shape)]
+
+
+def _vision(wire: Wire, tp_rank: int, tp: int) -> list[Box]:
+    shape, name = wire.shape, wire.name
+    if _VISION_QKV.search(name):  # q, k, v stacked: each split by heads
+        third = shape[0] // 3
+        start, size = _even(third, tp, tp_rank, name)
+        return [rows(shape, 0, k * third + start, size) for k in range(3)]
+    if _VISION_COLUMN.search(name):
+        return [rows(shape, 0, *_even(shape[0], tp, tp_rank, name))]
+    if _VISION_ROW.search(name) and len(shape) == 2:
         return [rows(shape, 1, *_even(shape[1], tp, tp_rank, name))]
     return [whole(shape)]
 

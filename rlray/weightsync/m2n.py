@@ -118,6 +118,7 @@ class M2NInitInfo(WeightTransferInitInfo):
     tp: list[int]  # every engine's TP size, in weight-group order
     kv_heads: int = 0
     sliced_experts: bool = False
+    sliced_vision: bool = False
     expert_parallel: bool = False
     digest: str = ""
 
@@ -148,9 +149,12 @@ class M2NWeightEngine(WeightTransferEngine[M2NInitInfo, M2NUpdateInfo]):
         self.worker, self.trainers = rank - init_info.trainers, init_info.trainers
         self.dtypes = {n: to_dtype(d) for n, d in init_info.dtypes.items()}
         self.plan = plan(_wires(init_info.wires), _layouts(init_info.layouts), self.trainers, engines,
-                         Dims(init_info.kv_heads, init_info.sliced_experts))
+                         Dims(init_info.kv_heads, init_info.sliced_experts, init_info.sliced_vision))
         if self.plan.digest() != init_info.digest:
             raise RuntimeError("m2n weight plan differs between trainer and worker: the same rlray must run on both")
+        if init_info.sliced_vision and _encoder_tp_mode(self.model_config) == "data":
+            raise RuntimeError("m2n plans the vision tower split by TP, this engine runs it data parallel "
+                               "(mm_encoder_tp_mode=data): drop it from rollout.engine_kwargs")
         if engines.workers()[self.worker] != (pc.rank, pc.tensor_parallel_size):
             raise RuntimeError(f"m2n worker {self.worker} is TP rank {pc.rank} of {pc.tensor_parallel_size}, the plan "
                                f"says {engines.workers()[self.worker]}: engines must join in weight-group order")
@@ -270,7 +274,8 @@ class M2NTrainerWeightTransferEngine(TrainerWeightTransferEngine[M2NTrainerInitI
                               layouts=[asdict(x) for x in source.layouts],
                               dtypes={n: str(d).removeprefix("torch.") for n, d in source.dtypes.items()},
                               tp=list(init_info.tp), kv_heads=source.dims.kv_heads,
-                              sliced_experts=source.dims.sliced_experts, expert_parallel=init_info.expert_parallel,
+                              sliced_experts=source.dims.sliced_experts, sliced_vision=source.dims.sliced_vision,
+                              expert_parallel=init_info.expert_parallel,
                               digest=engine.plan.digest())
         with ThreadPoolExecutor(max_workers=1) as pool:  # the workers block in init until the group is whole
             joined = pool.submit(client.init_weight_transfer_engine, asdict(workers))
@@ -332,6 +337,11 @@ class M2NTrainerWeightTransferEngine(TrainerWeightTransferEngine[M2NTrainerInitI
     def shutdown(self) -> None:
         if self.group is not None and self.group.pg is not None:
             self.group.close()
+
+
+def _encoder_tp_mode(model_config: Any) -> str:
+    """vLLM's `mm_encoder_tp_mode` ("weights": the vision tower split by TP; "data": whole on every worker)."""
+    return getattr(getattr(model_config, "multimodal_config", None), "mm_encoder_tp_mode", None) or "weights"
 
 
 def _from_rank0(value: Any, trainers: int) -> Any:

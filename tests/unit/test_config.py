@@ -51,6 +51,8 @@ BAD = [
     (["weights.transport=m2n", "weights.delta=true"], "weights.delta=true with weights.transport=m2n"),
     (["weights.transport=m2n", "trainer.lora.rank=4"], "weights.transport=m2n with trainer.lora.rank > 0"),
     (["weights.transport=m2n", "cluster.colocate=true"], "weights.transport=m2n with cluster.colocate=true"),
+    (["weights.transport=m2n", "+rollout.engine_kwargs.mm_encoder_tp_mode=data"],
+     "weights.transport=m2n with rollout.engine_kwargs.mm_encoder_tp_mode=data"),
     (["+twin=gpu"], "twin/gpu"),
     (["algo.loss=nope"], "algo.loss"),
     (["env.chat_template=/no/such/template.jinja"], "env.chat_template"),

@@ -160,3 +160,24 @@ def test_weight_fit_fits_on_its_fit_rows_and_predicts_the_others() -> None:
     check = [r for r in rows if r["set"] == "check"]
     assert [r["error"] for r in check] == pytest.approx([1 / 1.1 - 1] * 2)
     assert all(abs(r["error"]) < 1e-9 for r in rows if r["set"] == "fit")
+
+
+def test_a_tp2_worker_of_qwen3_vl_30b_receives_half_its_vision_tower_too() -> None:
+    """Qwen3-VL-30B-A3B (the catalog's config, built on the meta device): a TP 2 worker of an m2n sync from 8 ranks
+    (EP 8) receives about half the model, its vision tower (1.7% of the bytes) split as vLLM's loaders read it."""
+    import dataclasses
+
+    from rlray.models.catalog import architecture
+    from rlray.weightsync.totals import Holders
+
+    name = "Qwen/Qwen3-VL-30B-A3B-Instruct"
+    c = Config()
+    c.model.name, c.trainer.num_ranks, c.trainer.ep = name, 8, 8
+    wire, layouts, dims = wires(c, architecture(name)[0])
+    assert dims.sliced_vision and dims.sliced_experts
+    whole = sum(w.nbytes for w in wire)
+    tower = sum(w.nbytes for w in wire if ".visual." in f".{w.name}")
+    split, kept = (totals(wire, layouts, 8, Engines((2,)), d, Holders(layouts)).received
+                   for d in (dims, dataclasses.replace(dims, sliced_vision=False)))
+    assert max(split) <= 0.55 * whole and 0.016 < tower / whole < 0.018, (split, whole, tower)
+    assert max(kept) - max(split) == pytest.approx(tower / 2, rel=0.01)  # the tower whole: its other half too
