@@ -10,7 +10,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 ARGS ?=
 
-.PHONY: run test bench-smoke venv v1env clean
+.PHONY: run test bench-smoke venv v1env bwrap clean
 
 $(BIN)/.installed: pyproject.toml requirements/verifiers.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -35,12 +35,19 @@ venv: $(BIN)/.installed
 
 v1env: .venv-v1/.installed
 
-run: venv
+# The sandbox of v1 harnesses that execute commands (rlray/envs/sandbox.py) runs them under bubblewrap:
+# installed with apt when missing and this is root; otherwise such a run says how in one line.
+bwrap:
+	@command -v bwrap >/dev/null || [ "$$(id -u)" != 0 ] || { \
+	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap >/dev/null 2>&1 || { \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap >/dev/null; }; }
+
+run: venv bwrap
 	$(BIN)/python -m rlray.launch $(ARGS)
 
 # The benchmarks' --quick runs that start vLLM engines (their paths are the engine and Ray tests')
 # stay out of CI's time: `make bench-smoke` runs them after a change to rlray/bench.
-test: venv v1env
+test: venv v1env bwrap
 	$(BIN)/python -m pytest -x -q -rs --durations=40 -m "not bench_engines" tests $(ARGS)
 
 bench-smoke: venv

@@ -267,13 +267,41 @@ class EnvSpec:
 
 
 @dataclass
+class SandboxConfig:
+    """The sandbox of a v1 harness that executes commands (rlray.envs.sandbox: bubblewrap, per episode)."""
+
+    network: str = "none"  # none: the model endpoint only (relayed); host: the node's network
+    wall_s: float = 600.0  # per command (the bash harness's whole episode is one): killed past it, exit 124
+    cpu_s: int = 300  # RLIMIT_CPU of each process
+    memory_mb: int = 2048  # the episode's cgroup (or RLIMIT_AS per process where no cgroup is writable)
+    nproc: int = 256  # processes of the episode (its cgroup's pids.max, or RLIMIT_NPROC)
+    nofile: int = 1024  # open files per process
+    fsize_mb: int = 256  # the largest file
+    disk_mb: int = 512  # the episode's files in all (checked after each command)
+    keep_failed: bool = False  # keep a failed episode's folder (~/.cache/rlray/sandbox/<trace>) for a look
+
+    def __post_init__(self) -> None:
+        if self.network not in ("none", "host"):
+            raise ConfigError(f"env.v1.sandbox.network={self.network!r}: choose none (the model endpoint only) or host")
+        small = [k for k in ("wall_s", "cpu_s", "memory_mb", "nproc", "nofile", "fsize_mb", "disk_mb")
+                 if getattr(self, k) <= 0]
+        if small:
+            raise ConfigError(f"env.v1.sandbox.{small[0]}={getattr(self, small[0])}: must be positive")
+
+
+@dataclass
 class V1Config:
     """verifiers v1 (0.4) environments: an env module importing `verifiers.v1` runs in a v1 env actor
     beside each rollout actor, with an interpreter of its own (rlray.envs.v1)."""
 
     python: str | None = None  # a prepared interpreter with verifiers 0.4 and this Ray; None: .venv-v1, built once
     harness: str = "chat"  # rlray's in-process chat harness, or a verifiers harness id (bash, codex, ...)
-    runtime: str = "subprocess"  # verifiers' runtime type for the harness (docker, prime, ... need their own setup)
+    # auto: the sandbox for a harness that executes commands (verifiers' EXECUTES_CODE: bash, ...), verifiers'
+    # subprocess runtime for rlray's chat harness (it executes nothing); sandbox; subprocess (unsandboxed: the
+    # policy's commands run on the node as this user, with one warning line); any other verifiers runtime type
+    # (docker, prime, ... need their own setup)
+    runtime: str = "auto"
+    sandbox: SandboxConfig = field(default_factory=SandboxConfig)
     max_turns: int | None = None  # verifiers' AgentConfig.max_turns; None: the env's own
     role: str = "agent"  # the env's agent role that rlray trains and configures
     eval_args: dict[str, Any] = field(default_factory=dict)  # taskset fields over env.args for the eval split

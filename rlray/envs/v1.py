@@ -79,7 +79,8 @@ def spec(env: Any, env_id: str, args: dict[str, Any], overrides: dict[str, Any] 
                          f"{sorted(per_env)}")
     v1 = {**base, **dict(overrides or {})}
     return {"module": module_of(env_id), "args": dict(args or {}), "eval_args": dict(v1["eval_args"] or {}),
-            "harness": v1["harness"], "runtime": v1["runtime"], "max_turns": v1["max_turns"], "role": v1["role"],
+            "harness": v1["harness"], "runtime": v1["runtime"], "sandbox": dict(v1["sandbox"] or {}),
+            "max_turns": v1["max_turns"], "role": v1["role"],
             "max_tasks": int(v1["max_tasks"]), "timeout_s": float(env.rollout_timeout_s)}
 
 

@@ -83,7 +83,8 @@ def _config(spec: dict[str, Any], split: str, has_split: bool = False) -> dict[s
     given = {**spec["args"], **(spec["eval_args"] if split == "eval" else {})}
     args = {"split": "eval", **given} if split == "eval" and has_split and "split" not in given else given
     harness = "rlray_chat" if spec["harness"] == "chat" else spec["harness"]
-    agent: dict[str, Any] = {"harness": {"id": harness}, "runtime": {"type": spec["runtime"]},
+    runtime = "subprocess" if spec["runtime"] in ("auto", "sandbox") else spec["runtime"]  # the sandbox: see `load`
+    agent: dict[str, Any] = {"harness": {"id": harness}, "runtime": {"type": runtime},
                              "timeout": {"rollout": spec["timeout_s"]}}
     if spec.get("max_turns"):
         agent["max_turns"] = spec["max_turns"]
@@ -99,9 +100,50 @@ def load(spec: dict[str, Any], split: str) -> Any:
     if split == "eval":
         has_split = "split" in type(config.taskset).model_fields
         config = vf.resolve_env_config(_config(spec, "eval", has_split))
+    config = _sandboxed(config, spec)
     env = vf.load_environment(config)
     _check_pairing(env, config, spec)
     return env
+
+
+def _sandboxed(config: Any, spec: dict[str, Any]) -> Any:
+    """`config` with its agent's runtime the sandbox (rlray.envs.v1_sandbox) when env.v1.runtime is sandbox, or auto
+    and the harness executes commands; a harness that does, run by env.v1.runtime=subprocess, warns in one line."""
+    import logging
+
+    import verifiers.v1 as vf
+
+    from rlray.envs import sandbox, v1_sandbox
+
+    agent = getattr(config, spec.get("role", "agent"), None)
+    if not isinstance(agent, vf.AgentConfig) or agent.harness is None:
+        return config
+    executes = vf.load_harness(agent.harness).EXECUTES_CODE
+    if spec["runtime"] == "subprocess" and executes:
+        logging.getLogger("rlray").warning(
+            "env.v1.runtime=subprocess: harness '%s' runs the policy's commands unsandboxed on this node, as this "
+            "user (env.v1.runtime=auto runs them in the sandbox)", agent.harness.id)
+    if not (spec["runtime"] == "sandbox" or (spec["runtime"] == "auto" and executes)):
+        return config
+    problem = sandbox.probe()
+    if problem:
+        raise ValueError(problem)
+    v1_sandbox.install()
+    runtime = v1_sandbox.BwrapConfig(**spec.get("sandbox", {}))
+    logging.getLogger("verifiers.v1.env").addFilter(_SubprocessWarning(agent.harness.id))
+    return config.model_copy(update={spec.get("role", "agent"): agent.model_copy(update={"runtime": runtime})})
+
+
+class _SubprocessWarning:
+    """Drops verifiers' warning that a harness runs "in the subprocess runtime on the local system" (the sandbox is
+    a subprocess runtime to verifiers) for the sandboxed harness."""
+
+    def __init__(self, harness: str) -> None:
+        self.harness = harness
+
+    def filter(self, record: Any) -> bool:
+        return not (str(record.msg).startswith("Harness %r is running in the subprocess runtime")
+                    and record.args and record.args[0] == self.harness)
 
 
 def _check_pairing(env: Any, config: Any, spec: dict[str, Any]) -> None:

