@@ -128,7 +128,10 @@ class RolloutActor:
         hf_config = read_config(path)
         vision = vision_prompt(path, template, self.cfg.max_images) if is_vision(hf_config) else None
         bridge = TurnBridge(self.tokenizer, template)  # fails fast on a template it cannot split
-        envs = await self._load_envs(path, template)
+        parser = self.env_cfg.tool_call_parser
+        if parser == "auto":
+            parser = "rlray" if template == PLAIN_CHAT_TEMPLATE else None
+        envs = await self._load_envs(path, template, "rlray" if parser == "rlray" else None)
         if self.cfg.gpus_per_actor == 0 and engine_workers(self.cfg) > 1:
             os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_binding(engine_workers(self.cfg)))
         self.engine = await Engine.create(path, max_model_len=self.cfg.max_model_len, seed=self.seed + self.index,
@@ -139,9 +142,6 @@ class RolloutActor:
                                                                                hf_config.model_type)},
                                           capture_routing=num_experts(hf_config) > 0,
                                           lora_rank=self.lora_rank)
-        parser = self.env_cfg.tool_call_parser
-        if parser == "auto":
-            parser = "rlray" if template == PLAIN_CHAT_TEMPLATE else None
         self.server = await OpenAIServer.start(self.engine, host=self.env_cfg.server_host,
                                                port=self.env_cfg.server_port, chat_template=template,
                                                tool_call_parser=parser or None)
@@ -152,7 +152,7 @@ class RolloutActor:
                                 num_actors=self.num_actors, run_seed=self.run_seed, vision=vision)
         return {"index": self.index, "model": path, "endpoint": self.server.url}
 
-    async def _load_envs(self, path: str, template: str) -> list:
+    async def _load_envs(self, path: str, template: str, tool_format: str | None) -> list:
         """The envs of `env`; v1 envs (rlray.envs.v1) get this actor's v1 env actor, which describes their tasks."""
         specs = v1_specs(self.env_cfg)
         if not specs:
@@ -160,7 +160,7 @@ class RolloutActor:
         if self.v1_spawner is None:
             raise ValueError(f"env {list(specs)} is a verifiers v1 env: the rollout actor needs a v1 env actor "
                              "(rlray.orchestration.cluster.spawn_v1_env)")
-        self.v1_actor = self.v1_spawner(specs, path, template)
+        self.v1_actor = self.v1_spawner(specs, path, template, tool_format)
         envs = load_envs(self.env_cfg, described=await self.v1_actor.describe.remote())
         for env, _ in envs:
             if isinstance(env, V1Env):

@@ -296,6 +296,9 @@ class V1Config:
 
     python: str | None = None  # a prepared interpreter with verifiers 0.4 and this Ray; None: .venv-v1, built once
     harness: str = "chat"  # rlray's in-process chat harness, or a verifiers harness id (bash, codex, ...)
+    # fields of the harness's verifiers config (bash: edit, search, ...); `compaction` is off unless given here
+    # (a summarised context is a re-rendered prompt: token in, token out would end in TokenMismatch)
+    harness_args: dict[str, Any] = field(default_factory=dict)
     # auto: the sandbox for a harness that executes commands (verifiers' EXECUTES_CODE: bash, ...), verifiers'
     # subprocess runtime for rlray's chat harness (it executes nothing); sandbox; subprocess (unsandboxed: the
     # policy's commands run on the node as this user, with one warning line); any other verifiers runtime type

@@ -6,7 +6,8 @@ Contract:
   `@version` dropped, dashes as underscores, lower case) imports `verifiers.v1`, read from its source
   without importing it (verifiers 0.4 cannot load here).
 - `spec(env, env_id, args, overrides)`: what a v1 env actor needs to load that env (rlray.envs.v1_worker):
-  module, args, eval_args, harness, runtime, max_turns, role, max_tasks, timeout_s (`env.rollout_timeout_s`), from
+  module, args, eval_args, harness, harness_args, runtime, sandbox, max_turns, role, max_tasks, timeout_s
+  (`env.rollout_timeout_s`), from
   `env.v1` with a mix entry's `v1` overrides.
 - `python(env)`: the v1 interpreter: `env.v1.python` when set (must exist), else `.venv-v1` of this
   checkout, created on first use (`make v1env`'s recipe: a venv of this interpreter's Python with
@@ -79,7 +80,8 @@ def spec(env: Any, env_id: str, args: dict[str, Any], overrides: dict[str, Any] 
                          f"{sorted(per_env)}")
     v1 = {**base, **dict(overrides or {})}
     return {"module": module_of(env_id), "args": dict(args or {}), "eval_args": dict(v1["eval_args"] or {}),
-            "harness": v1["harness"], "runtime": v1["runtime"], "sandbox": dict(v1["sandbox"] or {}),
+            "harness": v1["harness"], "harness_args": dict(v1["harness_args"] or {}), "runtime": v1["runtime"],
+            "sandbox": dict(v1["sandbox"] or {}),
             "max_turns": v1["max_turns"], "role": v1["role"],
             "max_tasks": int(v1["max_tasks"]), "timeout_s": float(env.rollout_timeout_s)}
 

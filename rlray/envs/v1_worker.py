@@ -7,10 +7,11 @@ imports nothing at its top but the standard library: the driver and the rollout 
 name the actor class; only the v1 interpreter runs its methods.
 
 Contract:
-- `V1EnvActor(specs, python_path, tokenizer, chat_template)`: `specs` maps env id -> spec (rlray.envs.v1.
+- `V1EnvActor(specs, python_path, tokenizer, chat_template, tool_format)`: `specs` maps env id -> spec (rlray.envs.v1.
   spec: module, args, eval_args, harness, runtime, max_turns, timeout_s); `tokenizer` is the served model's
   tokenizer folder and `chat_template` the template the engine serves with (the renderer renders
-  prompts with it, so the ids the TrainClient sends are the ids the engine's chat route would build).
+  prompts with it, so the ids the TrainClient sends are the ids the engine's chat route would build);
+  `tool_format` "rlray" when tool calls are written as that template's `name(args)` (rlray.envs.v1_render).
 - `describe() -> {env id: {"train": rows, "eval": rows}}`: loads every env once (off the event loop, whose
   interception servers answer the harnesses; a harness its runtime cannot host fails here, as verifiers'
   own `validate_pairing` says) and returns every task's data (`TaskData.model_dump`, JSON types, fields
@@ -84,7 +85,7 @@ def _config(spec: dict[str, Any], split: str, has_split: bool = False) -> dict[s
     args = {"split": "eval", **given} if split == "eval" and has_split and "split" not in given else given
     harness = "rlray_chat" if spec["harness"] == "chat" else spec["harness"]
     runtime = "subprocess" if spec["runtime"] in ("auto", "sandbox") else spec["runtime"]  # the sandbox: see `load`
-    agent: dict[str, Any] = {"harness": {"id": harness}, "runtime": {"type": runtime},
+    agent: dict[str, Any] = {"harness": {"id": harness, **spec.get("harness_args", {})}, "runtime": {"type": runtime},
                              "timeout": {"rollout": spec["timeout_s"]}}
     if spec.get("max_turns"):
         agent["max_turns"] = spec["max_turns"]
@@ -100,10 +101,22 @@ def load(spec: dict[str, Any], split: str) -> Any:
     if split == "eval":
         has_split = "split" in type(config.taskset).model_fields
         config = vf.resolve_env_config(_config(spec, "eval", has_split))
-    config = _sandboxed(config, spec)
+    config = _sandboxed(_no_compaction(config, spec), spec)
     env = vf.load_environment(config)
     _check_pairing(env, config, spec)
     return env
+
+
+def _no_compaction(config: Any, spec: dict[str, Any]) -> Any:
+    """`config` with its harness's context compaction off unless env.v1.harness_args names it: a summarised
+    context is a re-rendered prompt, which token-in training refuses (TokenMismatch)."""
+    role = spec.get("role", "agent")
+    agent = getattr(config, role, None)
+    harness = getattr(agent, "harness", None)
+    if harness is None or "compaction" not in type(harness).model_fields or "compaction" in spec.get("harness_args", {}):
+        return config
+    agent = agent.model_copy(update={"harness": harness.model_copy(update={"compaction": None})})
+    return config.model_copy(update={role: agent})
 
 
 def _sandboxed(config: Any, spec: dict[str, Any]) -> Any:
@@ -226,11 +239,12 @@ def _result(episode: Any) -> dict[str, Any]:
 
 
 class V1EnvActor:
-    def __init__(self, specs: dict[str, dict], python_path: list[str], tokenizer: str, chat_template: str) -> None:
+    def __init__(self, specs: dict[str, dict], python_path: list[str], tokenizer: str, chat_template: str,
+                 tool_format: str | None = None) -> None:
         _import_path(python_path)
         adapt_renderers()
         self.specs, self.python_path = specs, python_path
-        self.tokenizer, self.chat_template = tokenizer, chat_template
+        self.tokenizer, self.chat_template, self.tool_format = tokenizer, chat_template, tool_format
         self.loaded: dict[tuple[str, str], tuple[Any, list]] = {}
         self.serving = contextlib.AsyncExitStack()
         self.loading = asyncio.Lock()
@@ -256,7 +270,8 @@ class V1EnvActor:
 
         from rlray.envs.v1_render import IMPORT_PATH
 
-        renderer = CustomRendererConfig(import_path=IMPORT_PATH, chat_template=self.chat_template)
+        renderer = CustomRendererConfig(import_path=IMPORT_PATH, chat_template=self.chat_template,
+                                        tool_format=self.tool_format)
         client = vf.TrainClientConfig(base_url=base_url, api_key_var=API_KEY_VAR, renderer_model_name=self.tokenizer,
                                       renderer=renderer)
         return vf.ModelContext(model=model, client=client, sampling=vf.SamplingConfig(**sampling))

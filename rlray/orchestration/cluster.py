@@ -365,8 +365,8 @@ def v1_spawner(env: EnvConfig, name: str | None = None) -> Any:
     return functools.partial(spawn_v1_env, python=v1.python(env), python_path=list(env.python_path), name=name)
 
 
-def spawn_v1_env(specs: dict[str, dict], tokenizer: str, chat_template: str, *, python: str,
-                 python_path: list[str], name: str | None = None) -> Any:
+def spawn_v1_env(specs: dict[str, dict], tokenizer: str, chat_template: str, tool_format: str | None = None, *,
+                 python: str, python_path: list[str], name: str | None = None) -> Any:
     """Called inside a rollout actor: its v1 env actor (rlray.envs.v1_worker), on its node, run by the v1
     interpreter `python` (runtime_env `py_executable`), owned by the rollout actor (it dies with it) and
     restarted by Ray when its process dies. `v1env-<i>` beside `rollout-<i>`."""
@@ -379,7 +379,7 @@ def spawn_v1_env(specs: dict[str, dict], tokenizer: str, chat_template: str, *, 
         name=name, num_cpus=0, max_restarts=-1, max_task_retries=0, max_concurrency=1000,
         runtime_env={"py_executable": python},
         scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
-    ).remote(specs, python_path, tokenizer, chat_template)
+    ).remote(specs, python_path, tokenizer, chat_template, tool_format)
 
 
 def teardown(h: Handles) -> None:

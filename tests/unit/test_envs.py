@@ -297,7 +297,7 @@ def test_hanging_sync_tool_times_out_without_blocking_the_loop() -> None:
 def test_plain_template_round_trips_tool_calls(tok) -> None:
     pytest.importorskip("vllm")
     from rlray.actors.server import PLAIN_CHAT_TEMPLATE
-    from rlray.envs.tool_parser import parse_call
+    from rlray.envs.tool_calls import parse_call
 
     tools = [{"type": "function", "function": {"name": "calc", "parameters": {
         "type": "object", "properties": {"expression": {"type": "string"}}}}}]
@@ -305,6 +305,7 @@ def test_plain_template_round_trips_tool_calls(tok) -> None:
     assert parse_call("calc(12*3)", tools_obj) == ("calc", {"expression": "12*3"})
     assert parse_call(" calc(1,2) ", tools_obj) == ("calc", {"expression": "1,2"})
     assert parse_call("calc 12", tools_obj) is None and parse_call("add(1)", tools_obj) is None
+    assert parse_call("calc(1+2)", tools) == parse_call("calc(1+2)", [tools[0]["function"]]) == ("calc", {"expression": "1+2"})
     messages = [{"role": "user", "content": "c:12*3="},
                 {"role": "assistant", "content": None, "tool_calls": [
                     {"id": "x", "type": "function", "function": {"name": "calc", "arguments": {"expression": "12*3"}}}]},

@@ -83,7 +83,7 @@ def test_a_module_importing_verifiers_v1_is_a_v1_env_read_from_its_source(tmp_pa
     specs = v1.specs(cfg)
     assert list(specs) == ["rlray_test_words_v1"]
     assert specs["rlray_test_words_v1"] == {
-        "module": "rlray_test_words_v1", "args": {"n": 2}, "eval_args": {}, "harness": "bash",
+        "module": "rlray_test_words_v1", "args": {"n": 2}, "eval_args": {}, "harness": "bash", "harness_args": {},
         "runtime": "auto", "sandbox": asdict(SandboxConfig()), "max_turns": None, "role": "agent",
         "max_tasks": 100_000, "timeout_s": 30.0}
     for bad in ({"harnes": "bash"}, {"python": "/usr/bin/python3"}):  # a typo; the interpreter is one per run
@@ -195,13 +195,21 @@ assert type(renderer) is TokenInRenderer
 first = renderer.render([{"role": "user", "content": "rev:abc="}], add_generation_prompt=True)
 bridged = renderer.bridge_to_next_turn(first.token_ids, args["completion"], [{"role": "user", "content": "rev:xy="}])
 out.update(first=first.token_ids, bridged=bridged.token_ids, mask=bridged.sampled_mask)
+tok = AutoTokenizer.from_pretrained(args["tokenizer"])
+calls = create_renderer(tok, CustomRendererConfig(import_path=IMPORT_PATH, chat_template=args["template"],
+                                                  tool_format="rlray"))
+bash = {"name": "bash", "description": "", "parameters": {"type": "object", "properties": {"command": {"type": "string"}}}}
+reply = calls.parse_response(tok("bash(sed -i s,-,+, f.py)", add_special_tokens=False)["input_ids"], tools=[bash])
+plain = calls.parse_response(tok("done", add_special_tokens=False)["input_ids"], tools=[bash])
+out.update(tools=[renderer.supports_tools, calls.supports_tools],
+           call=[(c.name, c.arguments, c.status.value) for c in reply.tool_calls], plain=[plain.content, plain.tool_calls])
 print(json.dumps(out))
 '''
 
 
 def test_the_v1_interpreter_has_the_renderers_api_rlray_adapts(tmp_path) -> None:
     """renderers' private response parser (`renderers.client._parse_completion_logprobs`) reads vLLM 0.32's
-    logprobs once adapted (verifiers' `validate_pairing`, which rlray calls at load, is where it is);
+    logprobs once adapted; the renderer parses the plain template's tool calls when told to (verifiers' `validate_pairing`, which rlray calls at load, is where it is);
     the token-in renderer renders turn 1 as rlray's engines do and bridges turn 2
     after a completion whose text would not re-encode to its ids (a special token mid-answer)."""
     from rlray.actors.server import PLAIN_CHAT_TEMPLATE
@@ -222,6 +230,10 @@ def test_the_v1_interpreter_has_the_renderers_api_rlray_adapts(tmp_path) -> None
     assert out["first"] == first
     new = render_prompt(tok, [{"role": "user", "content": "rev:xy="}], PLAIN_CHAT_TEMPLATE)[1:]  # no second bos
     assert out["bridged"] == [*first, *completion, *new] and not any(out["mask"])
+    # tools: none without a parser (renderers' TrainClient refuses a request with tools then); the plain
+    # template's `name(args)` calls parsed with tool_format=rlray, a plain reply left as content
+    assert out["tools"] == [False, True]
+    assert out["call"] == [["bash", {"command": "sed -i s,-,+, f.py"}, "ok"]] and out["plain"] == ["done", []]
 
 
 def test_a_sessions_later_turns_sample_with_their_own_seed_within_the_context_left() -> None:

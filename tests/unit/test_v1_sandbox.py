@@ -236,6 +236,11 @@ for runtime in ("auto", "subprocess"):
     out["runtime " + runtime] = [type(config.agent.runtime).__name__, getattr(config.agent.runtime, "wall_s", None)]
 chat = v1_worker._sandboxed(vf.resolve_env_config(v1_worker._config({**spec, "harness": "chat"}, "train")), spec)
 out["chat"] = type(chat.agent.runtime).__name__
+given = {**spec, "harness_args": {"edit": False}}
+bash = v1_worker._no_compaction(vf.resolve_env_config(v1_worker._config(given, "train")), given).agent.harness
+kept = {**spec, "harness_args": {"compaction": {}}}
+out["harness"] = [bash.edit, bash.compaction, v1_worker._no_compaction(
+    vf.resolve_env_config(v1_worker._config(kept, "train")), kept).agent.harness.compaction is not None]
 print(json.dumps(out))
 '''
 
@@ -244,7 +249,8 @@ def test_verifiers_builds_the_sandbox_for_a_harness_that_executes_commands() -> 
     """`install()` wraps verifiers' private runtime table (`verifiers.v1.runtimes._runtime_cls`); a `BwrapConfig`
     dumps as the subprocess config it extends; verifiers' pairing check passes `bash` and refuses a container
     harness on it; env.v1.runtime=auto gives `bash` the sandbox (its limits from env.v1.sandbox) and rlray's chat
-    harness verifiers' subprocess runtime; env.v1.runtime=subprocess leaves `bash` unsandboxed, warning once."""
+    harness verifiers' subprocess runtime; env.v1.runtime=subprocess leaves `bash` unsandboxed, warning once;
+    env.v1.harness_args set the harness's fields, its context compaction off unless they name it."""
     done = subprocess.run([v1.python(EnvConfig()), "-c", V1_CHECKS], capture_output=True, text=True, timeout=300,
                           cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -254,6 +260,7 @@ def test_verifiers_builds_the_sandbox_for_a_harness_that_executes_commands() -> 
     assert out["codex"] != "passed", out
     assert out["runtime auto"] == ["BwrapConfig", 7.0] and out["runtime subprocess"] == ["SubprocessConfig", None], out
     assert out["chat"] == "SubprocessConfig", out
+    assert out["harness"] == [False, None, True], out  # env.v1.harness_args reach it; compaction off unless named
     assert done.stderr.count("runs the policy's commands unsandboxed") == 1, done.stderr[-2000:]
 
 
