@@ -58,11 +58,18 @@ def schema_node() -> DictConfig:
     node.stages = ["sft", "rl"]
     node.dry_run = False
     OmegaConf.set_struct(node, True)
-    for name, section in sections.items():  # free-form dicts (env.args, rollout.engine_kwargs) take any key
-        for f in dataclasses.fields(OmegaConf.get_type(section)):
-            if f.default_factory is dict:
-                OmegaConf.set_struct(node[name][f.name], False)
+    for name in sections:
+        _open_dicts(node[name])
     return node
+
+
+def _open_dicts(section: DictConfig) -> None:
+    """Free-form dicts (env.args, rollout.engine_kwargs, env.v1.harness_args, ...) take any key, at any depth."""
+    for f in dataclasses.fields(OmegaConf.get_type(section)):
+        if f.default_factory is dict:
+            OmegaConf.set_struct(section[f.name], False)
+        elif isinstance(f.default_factory, type) and dataclasses.is_dataclass(f.default_factory):
+            _open_dicts(section[f.name])
 
 
 def recipe_names(group: str = "recipe") -> list[str]:

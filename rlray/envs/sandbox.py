@@ -17,6 +17,7 @@ Contract:
 - `Cgroup.create(name, limits)`: the episode's cgroup, or None where none is writable; `attach()` (in a child before
   exec), `kill()`, `remove()`.
 - `probe()`: None when bwrap runs here with the namespaces above, else one line naming the fix.
+- `sweep(root)`: removes the sandboxes under `root` whose owning process is gone (killed before its teardown).
 """
 
 from __future__ import annotations
@@ -72,6 +73,7 @@ class Sandbox:
     def create(self) -> None:
         for sub in ("workspace", "tmp", "home", "scripts", "run"):
             (self.root / sub).mkdir(parents=True, exist_ok=True)
+        (self.root / "owner").write_text(str(os.getpid()))  # for `sweep` once this process is gone
         (self.root / "passwd").write_bytes(_passwd())
         (self.root / "group").write_bytes(f"root:x:0:\nagent:x:{UID}:\n".encode())
 
@@ -184,6 +186,13 @@ class Cgroup:
             raise SandboxError(f"could not make the sandbox's cgroup {name}: {e}") from e
         return None
 
+    @classmethod
+    def find(cls, name: str) -> Cgroup | None:
+        """The cgroup `create(name, ...)` made, if it is still there."""
+        own = _own_v2() if (CGROUP / "cgroup.controllers").is_file() else None
+        paths = [p for p in ([own / name] if own else [CGROUP / "pids" / name, CGROUP / "memory" / name]) if p.is_dir()]
+        return cls(paths) if paths else None
+
     def attach(self) -> None:
         """Move the calling process (a child between fork and exec) into the cgroup."""
         for path in self.paths:
@@ -233,6 +242,27 @@ class Cgroup:
                     if time.monotonic() > deadline:
                         raise SandboxError(f"the sandbox's cgroup {path} would not go: {self.pids()} in it") from None
                     time.sleep(0.05)
+
+
+def sweep(root: Path) -> int:
+    """Remove the sandboxes under `root` whose owning process is gone (an actor killed mid-episode never ran its
+    teardown): their processes, cgroups and folders. How many."""
+    swept = 0
+    for box in root.iterdir() if root.is_dir() else []:
+        try:
+            owner = int((box / "owner").read_text())
+            os.kill(owner, 0)
+            continue  # its owner runs: its own teardown removes it
+        except ProcessLookupError:
+            pass
+        except (OSError, ValueError):
+            continue  # not a sandbox this code made, or not ours to judge
+        cgroup = Cgroup.find(f"rlray-{box.name}")
+        if cgroup is not None:
+            cgroup.remove()
+        shutil.rmtree(box, ignore_errors=True)
+        swept += 1
+    return swept
 
 
 def _own_v2() -> Path | None:

@@ -17,7 +17,7 @@ Contract:
   (bound read-only; its dependencies are this interpreter's, never downloaded); `teardown()` kills every process and
   removes the folders (kept when `keep_failed` and a command failed). `open_process` and `run_background` are not
   offered (no process outlives its command).
-- `install()`: idempotent.
+- `install()`: idempotent; first sweeps away the sandboxes of processes that are gone (rlray.envs.sandbox.sweep).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from verifiers.v1.errors import SandboxError
 from verifiers.v1.runtimes.base import ProgramResult
 from verifiers.v1.runtimes.subprocess import SubprocessConfig, SubprocessRuntime, SubprocessRuntimeInfo
 
-from rlray.envs.sandbox import RELAY_SOCKET, SCRIPTS, Cgroup, Limits, Sandbox
+from rlray.envs.sandbox import RELAY_SOCKET, SCRIPTS, Cgroup, Limits, Sandbox, sweep
 
 ROOT = Path.home() / ".cache" / "rlray" / "sandbox"
 FIRST_PORT = 8100
@@ -258,6 +258,7 @@ def install() -> None:
 
     if getattr(runtimes._runtime_cls, "rlray_sandbox", False):
         return
+    sweep(ROOT)  # the sandboxes of an earlier actor on this node that was killed mid-episode
     original = runtimes._runtime_cls
 
     def runtime_cls(config: Any) -> type:

@@ -51,6 +51,7 @@ BAD = [
     (["weights.transport=m2n", "weights.delta=true"], "weights.delta=true with weights.transport=m2n"),
     (["weights.transport=m2n", "trainer.lora.rank=4"], "weights.transport=m2n with trainer.lora.rank > 0"),
     (["weights.transport=m2n", "cluster.colocate=true"], "weights.transport=m2n with cluster.colocate=true"),
+    (["env.v1.sandbox.network=everywhere"], "env.v1.sandbox.network='everywhere': choose none"),
     (["weights.transport=m2n", "+rollout.engine_kwargs.mm_encoder_tp_mode=data"],
      "weights.transport=m2n with rollout.engine_kwargs.mm_encoder_tp_mode=data"),
     (["+twin=gpu"], "twin/gpu"),
@@ -129,6 +130,12 @@ def test_recipe_values_land_in_the_typed_config() -> None:
     assert c.model.arch == "glm4_moe"
     assert c.async_.max_off_policy_steps == 0
     assert c.stages == ["sft", "rl"]
+    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):  # free-form dicts of nested sections too
+        cfg = compose("config", overrides=["+env.v1.harness_args.edit=false", "+env.v1.eval_args.split=test",
+                                           "env.v1.sandbox.memory_mb=512"])
+    c = to_config(cfg)
+    assert (c.env.v1.harness_args, c.env.v1.eval_args, c.env.v1.sandbox.memory_mb) == ({"edit": False},
+                                                                                      {"split": "test"}, 512)
 
 
 def test_validate_rejects_group_size_mismatch() -> None:

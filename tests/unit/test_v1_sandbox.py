@@ -349,3 +349,21 @@ def test_the_bash_harness_program_runs_its_tool_calls_in_the_sandbox(host) -> No
     (code, inside), (control_code, outside) = out["sandbox"], out["subprocess"]
     assert code == 0 and inside.splitlines() == ["rlray-sandbox"], out
     assert control_code == 0 and [f"{what}: escaped" for what in tries] == outside.splitlines()[1:], out
+
+
+def test_sweep_removes_the_sandboxes_of_a_process_that_is_gone(tmp_path: Path) -> None:
+    """A v1 env actor killed mid-episode runs no teardown: the next one on the node sweeps its sandboxes away
+    (their cgroups and folders), and leaves those whose owner still runs."""
+    from rlray.envs.sandbox import Cgroup, sweep
+
+    dead = subprocess.Popen(["true"])  # a pid that has exited
+    dead.wait()
+    name = f"sweep-{uuid.uuid4().hex[:8]}"
+    stale, live = Sandbox(tmp_path / name), Sandbox(tmp_path / "live")
+    stale.create()
+    live.create()
+    (stale.root / "owner").write_text(str(dead.pid))
+    cgroup = Cgroup.create(f"rlray-{name}", Limits())
+    assert sweep(tmp_path) == 1
+    assert not stale.root.exists() and live.root.exists()
+    assert cgroup is None or not any(p.exists() for p in cgroup.paths)
