@@ -24,6 +24,8 @@ BENCHMARKS = {  # subcommand: (module, one line)
                                           "off vs on, dense vs MoE, over the same rollouts")),
     "checkpoint": ("rlray.bench.checkpoint", ("seconds a DCP checkpoint blocks the trainer, written synchronously vs "
                                               "in the background, tiny and ~200 MB models")),
+    "sandbox": ("rlray.bench.sandbox", ("the sandbox of v1 harnesses that execute commands: start, teardown, a "
+                                        "command, a relayed request, commands/s with sandboxes at once")),
     "gpu-step": ("rlray.bench.gpu_step", ("trainer step time and MFU of a ~1B dense model and a small MoE "
                                           "(one GPU, no Ray; --size tiny runs on CPU)")),
     "gpu-smoke": ("rlray.bench.gpu_smoke", ("the trainer half of the GPU path checked on one CUDA GPU without Ray "

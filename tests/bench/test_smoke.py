@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -230,3 +231,15 @@ def test_weight_fit_quick(tmp_path: Path) -> None:
     assert set(report["params"]["costs"]) == {"broadcast", "m2n"}
     assert all(min(c.values()) >= 0 for c in report["params"]["costs"].values())
     assert "m2n: median |predicted / measured - 1| on the check twins" in stdout
+
+
+@pytest.mark.bench
+@pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed (make test installs it as root)")
+def test_sandbox_quick(tmp_path: Path) -> None:
+    stdout, report = bench("sandbox", tmp_path)
+    rows = {(r["what"], r["runtime"]): r for r in report["rows"]}
+    assert set(rows) >= {(w, rt) for w in ("start", "teardown", "command (true)", "HTTP request to the host")
+                         for rt in ("sandbox", "subprocess")}
+    positive([rows["command (true)", "sandbox"], rows["HTTP request to the host", "sandbox"]], "ms")
+    positive([rows["2 sandboxes at once, each a command", "sandbox"]], "ms", "per_s", "per_core")
+    assert "a command, sandbox / subprocess" in stdout
