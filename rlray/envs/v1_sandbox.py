@@ -109,7 +109,7 @@ class BwrapRuntime(SubprocessRuntime):
         except TimeoutError:
             stdout, stderr, code = b"", f"sandbox: killed past its wall time of {limits.wall_s:g} s\n".encode(), 124
         finally:
-            self._kill(proc)
+            await self._kill(proc)
             if relay is not None:
                 await relay.close()
         if cgroup is not None and cgroup.oom_kills() > self.oom_kills:
@@ -123,13 +123,14 @@ class BwrapRuntime(SubprocessRuntime):
         return ProgramResult(exit_code=code, stdout=stdout.decode(errors="replace"),
                              stderr=stderr.decode(errors="replace"))
 
-    def _kill(self, proc: asyncio.subprocess.Process) -> None:
-        """bwrap dies, and with it (--die-with-parent, the PID namespace) everything the command started."""
+    async def _kill(self, proc: asyncio.subprocess.Process) -> None:
+        """bwrap dies, and with it (--die-with-parent, the PID namespace) everything the command started; the
+        cgroup is emptied off the event loop (a fork bomb takes a few rounds)."""
         if proc.returncode is None:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(proc.pid, signal.SIGKILL)
         if self.cgroup is not None:
-            self.cgroup.kill()
+            await asyncio.to_thread(self.cgroup.kill)
 
     async def open_process(self, argv: list[str], env: dict[str, str]) -> Any:
         raise NotImplementedError("the sandbox runtime runs one command at a time (no live processes)")
