@@ -8,7 +8,7 @@ name the actor class; only the v1 interpreter runs its methods.
 
 Contract:
 - `V1EnvActor(specs, python_path, tokenizer, chat_template, tool_format)`: `specs` maps env id -> spec (rlray.envs.v1.
-  spec: module, args, eval_args, harness, runtime, max_turns, timeout_s); `tokenizer` is the served model's
+  spec: module, args, eval_args, harness, harness_args, runtime, sandbox, max_turns, timeout_s); `tokenizer` is the served model's
   tokenizer folder and `chat_template` the template the engine serves with (the renderer renders
   prompts with it, so the ids the TrainClient sends are the ids the engine's chat route would build);
   `tool_format` "rlray" when tool calls are written as that template's `name(args)` (rlray.envs.v1_render).
@@ -119,6 +119,9 @@ def _no_compaction(config: Any, spec: dict[str, Any]) -> Any:
     return config.model_copy(update={role: agent})
 
 
+_WARNED: set[str] = set()
+
+
 def _sandboxed(config: Any, spec: dict[str, Any]) -> Any:
     """`config` with its agent's runtime the sandbox (rlray.envs.v1_sandbox) when env.v1.runtime is sandbox, or auto
     and the harness executes commands; a harness that does, run by env.v1.runtime=subprocess, warns in one line."""
@@ -132,7 +135,8 @@ def _sandboxed(config: Any, spec: dict[str, Any]) -> Any:
     if not isinstance(agent, vf.AgentConfig) or agent.harness is None:
         return config
     executes = vf.load_harness(agent.harness).EXECUTES_CODE
-    if spec["runtime"] == "subprocess" and executes:
+    if spec["runtime"] == "subprocess" and executes and agent.harness.id not in _WARNED:
+        _WARNED.add(agent.harness.id)  # once per harness and process (each split loads the env)
         logging.getLogger("rlray").warning(
             "env.v1.runtime=subprocess: harness '%s' runs the policy's commands unsandboxed on this node, as this "
             "user (env.v1.runtime=auto runs them in the sandbox)", agent.harness.id)

@@ -230,7 +230,7 @@ try:
     out["codex"] = "passed"
 except Exception as e:
     out["codex"] = type(e).__name__
-for runtime in ("auto", "subprocess"):
+for runtime in ("auto", "subprocess", "subprocess"):  # the second (the eval split's load) warns no more
     config = v1_worker._sandboxed(vf.resolve_env_config(v1_worker._config({**spec, "runtime": runtime}, "train")),
                                   {**spec, "runtime": runtime})
     out["runtime " + runtime] = [type(config.agent.runtime).__name__, getattr(config.agent.runtime, "wall_s", None)]
