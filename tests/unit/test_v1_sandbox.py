@@ -51,7 +51,10 @@ async def escapes(config, name):
     await first.start(); await other.start()
     await other.write("secret.txt", b"other episode")
     sleeper = asyncio.ensure_future(other.run(["sleep", args["marker"]], {}))
-    await asyncio.sleep(1.0)
+    deadline = time.monotonic() + 60  # the other episode's `sleep` running: the event the checks need
+    while subprocess.run(["pgrep", "-f", "^sleep " + args["marker"]], capture_output=True).returncode != 0:
+        assert time.monotonic() < deadline, "the other episode's sleep did not start within 60 s"
+        await asyncio.sleep(0.05)
     out = {}
     for what, command in TRIES.items():
         command = command.replace("{other}", str(other.workdir))
@@ -150,7 +153,7 @@ for what, command in {"home": f"cat {home}", "fork bomb": "f(){ f | f & }; f; sl
     proc = subprocess.Popen(box.command(["bash", "-c", command], {}), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             start_new_session=True)
     try:
-        stdout, stderr = proc.communicate(timeout=10)
+        stdout, stderr = proc.communicate(timeout=60)  # only a fork bomb that never ends waits it out
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         stdout, stderr = proc.communicate()
