@@ -17,8 +17,9 @@ Contract:
   fails to load is a ValueError of one line.
 - `console_line(envs, env)`: the launch's line about the run's v1 envs.
 - `V1Env(id, spec, rows)`: rlray's handle on one v1 env (the `Env` interface: `row`, `example`,
-  `num_examples`); a row is the task's data with `prompt` as chat messages (its system prompt first),
-  `answer` (empty when the task has none) and `example_id`; `actor` is set by the rollout actor to its
+  `num_examples`) over `describe`'s entry; a row is the task's data with `prompt` as chat messages (the system
+  prompt first: a bash-like harness's own, then the task's, as the harness sends them), `answer` (empty when
+  the task has none) and `example_id`; `tools` are the harness's tools (None without); `actor` is set by the rollout actor to its
   v1 env actor, which runs the episodes.
 """
 
@@ -130,17 +131,17 @@ def build_venv() -> None:
     print(f"v1 environments: {VENV} ready in {time.monotonic() - started:.0f}s", flush=True)
 
 
-_DESCRIBED: dict[str, dict[str, dict[str, list]]] = {}  # the launch checks and SFT describe the same envs
+_DESCRIBED: dict[str, dict[str, dict[str, Any]]] = {}  # the launch checks and SFT describe the same envs
 
 
-def describe(python_exe: str, env_specs: dict[str, dict], python_path: list[str]) -> dict[str, dict[str, list]]:
+def describe(python_exe: str, env_specs: dict[str, dict], python_path: list[str]) -> dict[str, dict[str, Any]]:
     request = json.dumps({"specs": env_specs, "python_path": [str(Path(p).resolve()) for p in python_path]})
     if (python_exe + request) not in _DESCRIBED:
         _DESCRIBED[python_exe + request] = _describe(python_exe, request)
     return _DESCRIBED[python_exe + request]
 
 
-def _describe(python_exe: str, request: str) -> dict[str, dict[str, list]]:
+def _describe(python_exe: str, request: str) -> dict[str, dict[str, Any]]:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     done = subprocess.run([python_exe, "-m", "rlray.envs.v1_worker", "describe"], input=request,
                           capture_output=True, text=True, env=env, timeout=600, check=False)
@@ -151,11 +152,12 @@ def _describe(python_exe: str, request: str) -> dict[str, dict[str, list]]:
 
 
 # ---- the handle -----------------------------------------------------------------------
-def _row(data: dict[str, Any], index: int) -> dict[str, Any]:
+def _row(data: dict[str, Any], index: int, harness_system: str | None = None) -> dict[str, Any]:
     prompt = data.get("prompt")
     messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt or [])
-    if data.get("system_prompt"):
-        messages.insert(0, {"role": "system", "content": data["system_prompt"]})
+    system = "\n\n".join(p for p in (harness_system, data.get("system_prompt")) if p)  # as the harness joins them
+    if system:
+        messages.insert(0, {"role": "system", "content": system})
     answer = data.get("answer", "")
     return {**data, "prompt": messages, "answer": answer if isinstance(answer, str) else str(answer),
             "example_id": int(data.get("idx", index))}
@@ -165,9 +167,12 @@ class V1Env:
     fast_path_ok = False
     vf = None  # no classic verifiers environment behind it
 
-    def __init__(self, env_id: str, env_spec: dict[str, Any], rows: dict[str, list[dict]]) -> None:
+    def __init__(self, env_id: str, env_spec: dict[str, Any], rows: dict[str, Any]) -> None:
         self.id, self.spec = env_id, env_spec
-        self.rows = {split: [_row(d, i) for i, d in enumerate(rs)] for split, rs in rows.items()}
+        harness = rows.get("harness") or {}
+        self.tools: list[dict] | None = harness.get("tools")
+        self.rows = {split: [_row(d, i, harness.get("system")) for i, d in enumerate(rs)]
+                     for split, rs in rows.items() if split != "harness"}
         self.actor: Any = None
 
     def num_examples(self, split: str) -> int:

@@ -171,6 +171,14 @@ class BwrapRuntime(SubprocessRuntime):
         inside = self.ports.setdefault(origin, FIRST_PORT + len(self.ports))
         return urlunsplit(parts._replace(netloc=f"127.0.0.1:{inside}"))
 
+    def host_side(self, url: str) -> str:
+        """The host URL behind `url` when `host_url` wrote it (rlray's in-process harnesses call the host directly)."""
+        parts = urlsplit(url)
+        for (host, port), inside in self.ports.items():
+            if parts.hostname == "127.0.0.1" and parts.port == inside:
+                return urlunsplit(parts._replace(netloc=f"[{host}]:{port}" if ":" in host else f"{host}:{port}"))
+        return url
+
     async def prepare_uv_script(self, script: str | bytes, env: dict[str, str] | None = None, *,
                                 activate: bool = True) -> list[str]:
         data = script.encode() if isinstance(script, str) else script

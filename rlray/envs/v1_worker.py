@@ -12,11 +12,12 @@ Contract:
   tokenizer folder and `chat_template` the template the engine serves with (the renderer renders
   prompts with it, so the ids the TrainClient sends are the ids the engine's chat route would build);
   `tool_format` "rlray" when tool calls are written as that template's `name(args)` (rlray.envs.v1_render).
-- `describe() -> {env id: {"train": rows, "eval": rows}}`: loads every env once (off the event loop, whose
+- `describe() -> {env id: {"train": rows, "eval": rows, "harness": ...}}`: loads every env once (off the loop, whose
   interception servers answer the harnesses; a harness its runtime cannot host fails here, as verifiers'
   own `validate_pairing` says) and returns every task's data (`TaskData.model_dump`, JSON types, fields
   at their defaults left out, at most `max_tasks`) of the taskset loaded with `args` (train) and with
-  `args` + `eval_args` (eval; `split: eval` too when the taskset config has a `split` field).
+  `args` + `eval_args` (eval; `split: eval` too when the taskset config has a `split` field), and the system
+  prompt and tools a bash-like harness adds (rlray.envs.v1_tools.preamble; None for others).
 - `group(env_id, split, index, base_url, model, sampling) -> list[dict]`: one episode per entry of
   `sampling` (each its own sampling args, a seed among them) of task `index` (modulo the split's size),
   run with verifiers' own `Env.run_slot` and a `TrainClient` on the rollout actor's endpoint `base_url`.
@@ -49,9 +50,10 @@ def _import_path(paths: list[str]) -> None:
 
 
 def _register_harness() -> None:
-    from rlray.envs import v1_chat
+    from rlray.envs import v1_chat, v1_tools
 
-    sys.modules.setdefault(v1_chat.HARNESS_ID, v1_chat)  # verifiers imports harness ids as top-level modules
+    for module in (v1_chat, v1_tools):
+        sys.modules.setdefault(module.HARNESS_ID, module)  # verifiers imports harness ids as top-level modules
 
 
 def adapt_renderers() -> None:
@@ -198,12 +200,18 @@ def load_all(specs: dict[str, dict], python_path: list[str]) -> dict[tuple[str, 
     return out
 
 
-def describe_all(loaded: dict[tuple[str, str], tuple[Any, list]]) -> dict[str, dict[str, list]]:
-    """Each task's data, fields at their defaults left out (a taskset's rows cross a pipe and Ray)."""
-    out: dict[str, dict[str, list]] = {}
-    for (env_id, split), (_, listed) in loaded.items():
+def describe_all(loaded: dict[tuple[str, str], tuple[Any, list]],
+                 specs: dict[str, dict]) -> dict[str, dict[str, Any]]:
+    """Each task's data, fields at their defaults left out (a taskset's rows cross a pipe and Ray), and under
+    "harness" what a bash-like harness puts before the task (rlray.envs.v1_tools.preamble) or None."""
+    from rlray.envs.v1_tools import preamble
+
+    out: dict[str, dict[str, Any]] = {}
+    for (env_id, split), (env, listed) in loaded.items():
         out.setdefault(env_id, {})[split] = [{**t.data.model_dump(mode="json", exclude_defaults=True),
                                               "idx": t.data.idx} for t in listed]
+        agent = getattr(env.config, specs[env_id].get("role", "agent"), None)
+        out[env_id]["harness"] = preamble(agent.harness) if getattr(agent, "harness", None) is not None else None
     return out
 
 
@@ -256,7 +264,7 @@ class V1EnvActor:
     async def describe(self) -> dict[str, dict[str, list]]:
         """Loads every env (once: the episodes run in them) and returns their tasks."""
         await self._load()
-        return describe_all(self.loaded)
+        return describe_all(self.loaded, self.specs)
 
     async def _load(self) -> None:
         """Every env and split, loaded off the event loop (its interception servers must keep answering),
@@ -316,7 +324,7 @@ def main(argv: list[str]) -> int:
         return 2
     request = json.load(sys.stdin)
     try:
-        print(json.dumps(describe_all(load_all(request["specs"], request["python_path"]))))
+        print(json.dumps(describe_all(load_all(request["specs"], request["python_path"]), request["specs"])))
     except ValueError as e:
         print(e, file=sys.stderr)
         return 1

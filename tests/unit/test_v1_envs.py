@@ -76,7 +76,7 @@ def test_a_module_importing_verifiers_v1_is_a_v1_env_read_from_its_source(tmp_pa
     assert v1.is_v1("rlray_test_words_v1", path) and v1.is_v1("owner/rlray-test-words-v1@0.1", path)
     assert v1.is_v1("rlray_test_pkg_v1", path)
     assert not v1.is_v1("rlray_test_classic", path) and not v1.is_v1("no_such_env_module", path)
-    assert set(v1.BUILTIN_V1) == {"reverse_chain_v1", "reverse_text_v1"}
+    assert set(v1.BUILTIN_V1) == {"fix_op_v1", "reverse_chain_v1", "reverse_text_v1"}
     assert all(v1.is_v1(i, []) for i in v1.BUILTIN_V1) and not v1.is_v1("reverse_text", [])
     cfg = EnvConfig(mix=[EnvSpec("reverse_text"), EnvSpec("rlray_test_words_v1", {"n": 2}, 1.0, {"harness": "bash"})],
                     python_path=path, rollout_timeout_s=30.0)

@@ -1,0 +1,195 @@
+"""The software-engineering taskset (rlray/envs/builtin_v1/fix_op_v1.py), rlray's in-process bash harness
+(rlray.envs.v1_tools) and multi-turn SFT of tool episodes (rlray.envs.sft).
+
+- Hidden tests score a repository in the episode's sandbox: the task's own solution gets 1, the file as given or
+  fixed wrongly 0, a file whose import never ends 0 at the sandbox's wall time; verifiers' subprocess runtime (the
+  control) scores the same files the same.
+- rlray_bash against a stand-in model endpoint (the sandbox's relay URL, as verifiers hands it to every harness):
+  verifiers' bash system prompt and tool on every request, the tool call run in the sandbox (hostname
+  `rlray-sandbox`; the host's own under the subprocess control), its output as the tool message, the reply ending
+  the loop; a turn refused by a limit ends it too.
+- An SFT sample of a tool episode is the hand-written sequence the harness would send: the harness's system prompt,
+  the prompt, each assistant turn trained (loss mask 1), the tool output in between masked.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+import subprocess
+import uuid
+from pathlib import Path
+
+import pytest
+
+from rlray.config import EnvConfig, EnvSpec
+from rlray.envs import v1
+
+ROOT = Path(__file__).resolve().parents[2]
+BASH_SYSTEM = "You are a coding agent. You have access to a bash tool for running shell commands."  # verifiers 0.4's
+needs_bwrap = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed (make test "
+                                 "installs it as root: apt-get install bubblewrap)")
+
+TASK_CHECK = r'''
+import asyncio, http.server, json, sys, threading, time, types
+import verifiers.v1 as vf
+import verifiers.v1.runtimes as rt
+from verifiers.v1.runtimes.subprocess import SubprocessConfig
+from rlray.envs import v1_worker
+from rlray.envs.v1_sandbox import BwrapConfig, install
+
+v1_worker._import_path([]); v1_worker._register_harness(); install()
+from fix_op_v1 import FixTask, task_data
+from rlray.envs.v1_tools import BashToolHarness, BashToolHarnessConfig
+
+args = json.loads(sys.argv[1])
+requests = []
+
+
+class Model(http.server.BaseHTTPRequestHandler):
+    """An OpenAI chat endpoint: a bash tool call first, then the reply `done` (or a refusal, when asked)."""
+    protocol_version = "HTTP/1.1"
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        requests.append(body)
+        status, message = 200, {"role": "assistant", "content": "done", "tool_calls": None}
+        if len(body["messages"]) == 2:
+            call = {"id": "c1", "type": "function", "function": {"name": "bash", "arguments": json.dumps(
+                {"command": "hostname"})}}
+            message = {"role": "assistant", "content": None, "tool_calls": [call]}
+        elif args["refuse"]:
+            status, message = 400, None
+        data = json.dumps({"choices": [{"index": 0, "message": message}]} if message else {"error": "stopped"}).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *a):
+        pass
+
+
+server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Model)
+threading.Thread(target=server.serve_forever, daemon=True).start()
+data = task_data("train", 3, 0)
+right = data.tests[0][2]
+
+
+async def score(config, name, command):
+    runtime = rt.make_runtime(config, name)
+    await runtime.start()
+    task = FixTask(data, vf.TaskConfig())
+    await task.setup(None, runtime)
+    if command:
+        await runtime.run(["bash", "-c", command], {})
+    started = time.monotonic()
+    reward = await task.tests_pass(data, runtime)
+    await runtime.stop()
+    return [reward, time.monotonic() - started]
+
+
+async def episode(config, name):
+    runtime = rt.make_runtime(config, name)
+    await runtime.start()
+    harness = BashToolHarness(BashToolHarnessConfig(id="rlray_bash"))
+    trace = types.SimpleNamespace(stop_condition="max_turns" if args["refuse"] else None)
+    result = await harness.launch(types.SimpleNamespace(model="m"), trace, runtime,
+                                  runtime.host_url(f"http://127.0.0.1:{server.server_address[1]}/v1"), "k", {}, data)
+    await runtime.stop()
+    sent = [[m["role"] for m in r["messages"]] for r in requests]
+    out = [result.stdout, sent, requests[0]["messages"][0]["content"], [t["function"]["name"] for t in requests[0]["tools"]],
+           requests[-1]["messages"][-1]]
+    requests.clear()
+    return out
+
+
+async def main():
+    call = data.solution[0]["tool_calls"][0]["function"]
+    fix = json.loads(call["arguments"])["command"]
+    a, right_op, b = fix.split(",")[2]
+    other = [o for o in "+-*" if o not in (right_op, data.source.splitlines()[1].strip()[-2])][0]
+    wrong = fix.replace(f",{a}{right_op}{b},", f",{a}{other}{b},")
+    hang = f"printf 'while 1:\\n    pass\\n' > {data.file}.py"
+    out = {"data": [data.file, data.source, data.tests, fix, wrong]}
+    for kind, config in (("sandbox", BwrapConfig(wall_s=3)), ("subprocess", SubprocessConfig())):
+        tried = {"as given": None, "fixed": fix, "fixed wrongly": wrong}
+        if kind == "sandbox":
+            tried["hangs"] = hang
+        out[kind] = {what: await score(config, f"fix-{kind}-{i}-{args['marker']}", c)
+                     for i, (what, c) in enumerate(tried.items())}
+        out[kind + " episode"] = await episode(config, f"ep-{kind}-{args['marker']}")
+    print(json.dumps(out))
+
+asyncio.run(main())
+'''
+
+
+def run_check(refuse: bool) -> dict:
+    done = subprocess.run([v1.python(EnvConfig()), "-c", TASK_CHECK, json.dumps({"marker": uuid.uuid4().hex[:8],
+                                                                                 "refuse": refuse})],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+@needs_bwrap
+def test_hidden_tests_score_the_repository_in_the_sandbox_and_rlray_bash_runs_tool_calls_there() -> None:
+    out = run_check(refuse=False)
+    file, source, tests, fix, wrong = out["data"]
+    assert source.startswith(f"def {file}(") and len(tests) == 3 and fix.startswith("sed -i s,") and wrong != fix
+    for kind in ("sandbox", "subprocess"):
+        scores = {what: reward for what, (reward, _) in out[kind].items()}
+        assert scores["as given"] == 0.0 and scores["fixed"] == 1.0 and scores["fixed wrongly"] == 0.0, (kind, out)
+    assert out["sandbox"]["hangs"][0] == 0.0 and out["sandbox"]["hangs"][1] < 3 + 10, out["sandbox"]
+    for kind, host in (("sandbox", "rlray-sandbox"), ("subprocess", socket.gethostname())):
+        reply, sent, system, tools, last = out[kind + " episode"]
+        assert reply == "done" and system.startswith(BASH_SYSTEM) and tools == ["bash"], out[kind + " episode"]
+        assert sent == [["system", "user"], ["system", "user", "assistant", "tool"]], sent
+        assert last["role"] == "tool" and last["content"] == host + "\n", last
+
+
+@needs_bwrap
+def test_a_turn_refused_by_a_limit_ends_the_rlray_bash_loop() -> None:
+    out = run_check(refuse=True)
+    for kind in ("sandbox", "subprocess"):
+        reply, sent, *_ = out[kind + " episode"]
+        assert reply == "" and len(sent) == 2, out[kind + " episode"]
+
+
+@needs_bwrap
+def test_a_tool_episode_is_sft_data_as_the_harness_sends_it() -> None:
+    from rlray.actors.server import PLAIN_CHAT_TEMPLATE
+    from rlray.data.tokenizer import CHARS, char_tokenizer
+    from rlray.envs import load_envs
+    from rlray.envs.sft import SFTData
+
+    cfg = EnvConfig(mix=[EnvSpec("fix_op_v1", {"num": 64}, v1={"harness": "rlray_bash"})])
+    [(env, _)] = load_envs(cfg)
+    assert isinstance(env, v1.V1Env) and [t["function"]["name"] for t in env.tools] == ["bash"]
+    train = {env.row("train", i)["prompt"][1]["content"] for i in range(64)}
+    held_out = {env.row("eval", i)["prompt"][1]["content"] for i in range(64)}
+    assert not train & held_out  # the splits' example calls differ
+    row = env.row("train", 5)
+    system, user = row["prompt"]
+    assert system == {"role": "system", "content": BASH_SYSTEM} and user["role"] == "user"
+    command = json.loads(row["solution"][0]["tool_calls"][0]["function"]["arguments"])["command"]
+    assert set(user["content"] + command + "bash()done") <= set(CHARS)  # all the tiny model reads and writes
+
+    tok = char_tokenizer()
+    sft = SFTData([(env, 1.0)], tok, PLAIN_CHAT_TEMPLATE, seed=0)
+    sample = sft.sample(env, 5)
+    ids = lambda text: tok(text, add_special_tokens=False)["input_ids"]
+    eos = [tok.eos_token_id]
+    assert sample.prompt_ids.tolist() == [tok.bos_token_id, *ids(BASH_SYSTEM + user["content"])]
+    assert sample.completion_ids.tolist() == [*ids(f"bash({command})"), *eos, *ids("done"), *eos]
+    assert sample.loss_mask.tolist() == [1.0] * len(sample.completion_ids)  # sed prints nothing: no tool tokens
+
+    output = "x = 1"  # a tool that prints: its output in the sequence, masked
+    episode = [row["solution"][0], {**row["solution"][1], "content": output}, row["solution"][2]]
+    sample = sft.episode(row["prompt"], episode, env.tools)
+    call, tail = [*ids(f"bash({command})"), *eos], [*ids("done"), *eos]
+    assert sample.completion_ids.tolist() == [*call, *ids(output), *tail]
+    assert sample.loss_mask.tolist() == [1.0] * len(call) + [0.0] * len(output) + [1.0] * len(tail)
