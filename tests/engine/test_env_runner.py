@@ -14,37 +14,25 @@ answers every wrong reply with "no, again" for up to three model turns.
 from __future__ import annotations
 
 import asyncio
-import threading
-from collections.abc import Coroutine, Iterator
-from typing import Any, TypeVar
+import json
+import re
+from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import pytest
 
+from rlray.bench.common import LoopThread
 from rlray.config import Config, EnvConfig, EnvSpec
 from rlray.envs.builtin.calculator import calc
 from tests.v1_envs import V1_FEEDBACK_ENV
 
 pytest.importorskip("vllm")
 
-T = TypeVar("T")
-
-
-class LoopThread:
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-
-    def run(self, coro: Coroutine[Any, Any, T], timeout: float = 300.0) -> T:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-    def close(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(timeout=10)
-
-
 V1_GAME = "rlray_test_feedback_v1"
+FIX_BASH = "rlray_test_fix_op_bash"  # fix_op_v1 again, for verifiers' own bash harness beside rlray_bash
+FIX_ARGS = {"num": 16}
+FIX_V1 = {"max_turns": 3, "sandbox": {"wall_s": 60}}
 
 @pytest.fixture(scope="module")
 def actor(tmp_path_factory) -> Iterator[tuple[Any, LoopThread]]:
@@ -56,6 +44,8 @@ def actor(tmp_path_factory) -> Iterator[tuple[Any, LoopThread]]:
 
     folder = tmp_path_factory.mktemp("v1envs")
     (folder / f"{V1_GAME}.py").write_text(V1_FEEDBACK_ENV)
+    (folder / f"{FIX_BASH}.py").write_text("import verifiers.v1  # noqa: F401\nfrom fix_op_v1 import *  # noqa: F403\n"
+                                          "from fix_op_v1 import __all__  # noqa: F401\n")
     c = Config()
     c.model.num_layers, c.model.arch = 2, "qwen3_moe"  # an MoE: its engine captures routing, every turn's
     c.rollout.max_model_len = 512  # four long turns of the random model (its max_position_embeddings)
@@ -63,7 +53,9 @@ def actor(tmp_path_factory) -> Iterator[tuple[Any, LoopThread]]:
                          EnvSpec("calculator", {"force_tool_format": True, "max_turns": 3, "num_train": 64,
                                                 "num_eval": 16}, 1.0),
                          EnvSpec("guess_number", {"max_turns": 4, "num_train": 64, "num_eval": 16}, 1.0),
-                         EnvSpec(V1_GAME)],
+                         EnvSpec(V1_GAME), EnvSpec("fix_op_v1", FIX_ARGS, 1.0, {**FIX_V1, "harness": "rlray_bash"}),
+                         EnvSpec(FIX_BASH, FIX_ARGS, 1.0, {**FIX_V1, "harness": "bash",
+                                                           "harness_args": {"edit": False}})],
                     allow_biased_sampling=True, python_path=[str(folder)])
     cluster.connect(ClusterConfig(), python_path=env.python_path)  # for the v1 env actor alone
     lt = LoopThread()
@@ -397,3 +389,45 @@ def test_v1_tokens_carry_the_version_that_sampled_them_across_an_update(actor) -
     for r in rollouts:
         v = r.versions[r.loss_mask == 1]
         assert set(v.tolist()) <= {1, 2} and (np.diff(v) >= 0).all()
+
+
+# ---- an agent with a shell: fix_op_v1 in the sandbox --------------------------------------------------
+def esc(text: str) -> str:
+    return re.sub(r"([.()*+?])", r"\\\1", text)  # for vLLM's regex grammar, which warns on `\ `
+
+
+def forced(a: Any, lt: LoopThread, monkeypatch: Any, env_id: str, index: int, regex: str, n: int) -> list:
+    """`n` episodes of task `index` whose every model turn vLLM's structured outputs hold to `regex` (the random
+    model then writes tool calls)."""
+    from rlray.envs import v1_rollouts
+
+    plain = v1_rollouts.sampling
+    monkeypatch.setattr(v1_rollouts, "sampling", lambda *args: [{**s, "structured_outputs": {"regex": regex}}
+                                                                for s in plain(*args)])
+    env = a.runner.by_id[env_id]
+    return lt.run(a.runner.group(env, env.row("train", index), n, 1.0, 40, seed=7))
+
+
+@pytest.mark.parametrize("env_id", ["fix_op_v1", FIX_BASH])
+def test_an_agent_fixes_a_repository_through_tool_calls_run_in_the_sandbox(actor, monkeypatch, env_id) -> None:
+    """rlray_bash and verifiers' own bash harness (its program in the sandbox, without uv), token in, token out:
+    each tool call the engine samples runs in the episode's sandbox (its `hostname` answers `rlray-sandbox`, masked
+    in the sequence), and the reward is the hidden tests' verdict on the file as the last `sed` left it."""
+    a, lt = actor
+    tok = a.tokenizer
+    row = a.runner.by_id[env_id].row("train", 2)
+    command = json.loads(row["solution"][0]["tool_calls"][0]["function"]["arguments"])["command"]
+    x, right, y = command.split(",")[2]
+    sed = esc(f"sed -i s,{x}.{y},{x}") + "[-+*]" + esc(f"{y}, {row['file']}.py")
+    rollouts = forced(a, lt, monkeypatch, env_id, 2, rf"bash\({sed}\)|done", 8)
+    assert [r.error for r in rollouts if r.error] == []
+    for r in rollouts:
+        said = tok.decode(r.completion_ids[r.loss_mask == 1].tolist(), skip_special_tokens=True)
+        ops = re.findall(esc(f"s,{x}.{y},{x}") + r"([-+*])", said)
+        assert r.reward == float(bool(ops) and ops[-1] == right), (said, r.reward)
+        assert r.turns == len(ops) + ("done" in said) and (r.loss_mask == 0).sum() == 0  # sed prints nothing
+    assert {r.reward for r in rollouts} == {0.0, 1.0}, [r.reward for r in rollouts]
+    for r in forced(a, lt, monkeypatch, env_id, 3, r"bash\(hostname\)", 2):
+        assert r.error is None and r.turns == 3 and r.stop == "max_turns", (r.error, r.turns, r.stop)
+        outputs = [r.completion_ids[s:e].tolist() for v, s, e in runs(r.loss_mask) if v == 0]
+        assert outputs == [tok("rlray-sandbox\n", add_special_tokens=False)["input_ids"]] * 2, outputs  # the third call's output: the turn limit came first
