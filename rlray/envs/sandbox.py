@@ -5,7 +5,8 @@ Contract:
 - `Limits`: per episode. `wall_s` per command; `cpu_s`, `nofile`, `fsize_mb` are rlimits of every process (RLIMIT_CPU,
   RLIMIT_NOFILE, RLIMIT_FSIZE: per file); `nproc` and `memory_mb` a cgroup of the episode's own where one is writable
   (cgroup v2, or v1's `pids` and `memory`), else RLIMIT_NPROC (which root ignores) and RLIMIT_AS per process;
-  `disk_mb` the workspace's total, checked after each command (a command that passes it fails).
+  `disk_mb` the workspace's total, checked after each command (a command that passes it fails) and free on the
+  host's disk for the sandbox to start.
 - `Sandbox(root, limits, binds, network)`: one episode. On the host its folders `root/{workspace,tmp,home,scripts,run}`;
   inside, `/workspace` (the working directory), `/tmp`, `/home/agent`, read-only `/usr` and a few files of `/etc`,
   `binds` read-only at their own paths (the v1 interpreter), its own PID, network, IPC, UTS and user namespaces
@@ -13,7 +14,8 @@ Contract:
   ports)` is the bwrap command line; `ports` are loopback ports inside bound by the launcher (rlray.envs.sandbox_launch)
   and handed to the host over `/run/rlray/relay.sock` (the host pipes them to the model endpoint: `network="none"`
   reaches nothing else). `host_path(path)` maps a sandbox path (relative: the workspace) to the host, refusing any
-  other (`..`, symlinks out, `/etc`). `usage_mb()` is the workspace's size.
+  other (`..`, symlinks out, `/etc`). `usage_mb()` is the workspace's size. `create()` makes the folders, or raises
+  SandboxError when the host's disk has less than `disk_mb` free.
 - `Cgroup.create(name, limits)`: the episode's cgroup, or None where none is writable; `attach()` (in a child before
   exec), `kill()`, `remove()`.
 - `probe()`: None when bwrap runs here with the namespaces above, else one line naming the fix.
@@ -71,6 +73,11 @@ class Sandbox:
     network: str = "none"  # "none": the relayed ports only; "host": the host's network namespace
 
     def create(self) -> None:
+        self.root.parent.mkdir(parents=True, exist_ok=True)
+        free = shutil.disk_usage(self.root.parent).free >> 20
+        if free < self.limits.disk_mb:
+            raise SandboxError(f"cannot start: {free} MB free under {self.root.parent}, less than one episode may use "
+                               f"(env.v1.sandbox.disk_mb={self.limits.disk_mb})")
         for sub in ("workspace", "tmp", "home", "scripts", "run"):
             (self.root / sub).mkdir(parents=True, exist_ok=True)
         (self.root / "owner").write_text(str(os.getpid()))  # for `sweep` once this process is gone

@@ -5,7 +5,8 @@ actor's own event loop (so it calls the host's endpoint, not the sandbox's relay
 is its `BASH_TOOL`, each model turn goes to the rollout's interception `endpoint` with the conversation so far and
 the tool, each tool call's command runs in the episode's runtime (`runtime.run(["bash", "-c", command])`: the
 sandbox under env.v1.runtime=auto, as `EXECUTES_CODE` says) and its stdout then stderr (at most `max_output_chars`)
-comes back as the tool message; the loop ends at the first reply without a tool call, or when verifiers refuses a
+comes back as the tool message (a call killed at the sandbox's wall time raises: verifiers records a harness
+error, which rlray counts and trains as reward 0); the loop ends at the first reply without a tool call, or when verifiers refuses a
 turn (a limit such as `max_turns`: the trace holds the stop condition). What the model sees is what the `bash`
 harness's program would show it; what it costs is one sandboxed `bash` per tool call instead of a Python
 program per episode (rlray.bench sandbox measures both). `preamble(config)` is (system prompt, tools) of this harness
@@ -26,6 +27,11 @@ from verifiers.v1.harnesses.utils.core import BASH_TOOL, EDIT_TOOL
 from rlray.envs.v1_chat import _http
 
 HARNESS_ID = "rlray_bash"
+TIMED_OUT = 124  # rlray.envs.v1_sandbox's exit code for a command killed at its wall time (timeout(1)'s)
+
+
+class ToolTimeout(RuntimeError):
+    """A tool call killed at its runtime's wall time (not a TimeoutError: verifiers reads those as its own timeouts)."""
 
 
 class BashToolHarnessConfig(vf.HarnessConfig):
@@ -75,6 +81,9 @@ class BashToolHarness(vf.Harness[BashToolHarnessConfig]):
             return f"error: invalid JSON in tool arguments ({e})"
         command = args.get("command", "") if isinstance(args, dict) else ""
         done = await runtime.run(["bash", "-c", str(command)], {})
+        if done.exit_code == TIMED_OUT:
+            raise ToolTimeout(f"tool call bash({' '.join(str(command).split())[:80]}) ran past the runtime's wall "
+                               "time (env.v1.sandbox.wall_s)")
         return (done.stdout + done.stderr)[: self.config.max_output_chars]
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -31,8 +32,10 @@ pytest.importorskip("vllm")
 
 V1_GAME = "rlray_test_feedback_v1"
 FIX_BASH = "rlray_test_fix_op_bash"  # fix_op_v1 again, for verifiers' own bash harness beside rlray_bash
+FIX_NO_DISK = "rlray_test_fix_op_no_disk"  # and with a sandbox that cannot start (more disk asked than any has)
 FIX_ARGS = {"num": 16}
 FIX_V1 = {"max_turns": 3, "sandbox": {"wall_s": 60}}
+FIX_WALL_S = 10  # rlray_bash's per tool call (verifiers' bash: the whole program is one command)
 
 @pytest.fixture(scope="module")
 def actor(tmp_path_factory) -> Iterator[tuple[Any, LoopThread]]:
@@ -44,8 +47,9 @@ def actor(tmp_path_factory) -> Iterator[tuple[Any, LoopThread]]:
 
     folder = tmp_path_factory.mktemp("v1envs")
     (folder / f"{V1_GAME}.py").write_text(V1_FEEDBACK_ENV)
-    (folder / f"{FIX_BASH}.py").write_text("import verifiers.v1  # noqa: F401\nfrom fix_op_v1 import *  # noqa: F403\n"
-                                          "from fix_op_v1 import __all__  # noqa: F401\n")
+    for alias in (FIX_BASH, FIX_NO_DISK):
+        (folder / f"{alias}.py").write_text("import verifiers.v1  # noqa: F401\nfrom fix_op_v1 import *  # noqa: F403\n"
+                                            "from fix_op_v1 import __all__  # noqa: F401\n")
     c = Config()
     c.model.num_layers, c.model.arch = 2, "qwen3_moe"  # an MoE: its engine captures routing, every turn's
     c.rollout.max_model_len = 512  # four long turns of the random model (its max_position_embeddings)
@@ -53,9 +57,12 @@ def actor(tmp_path_factory) -> Iterator[tuple[Any, LoopThread]]:
                          EnvSpec("calculator", {"force_tool_format": True, "max_turns": 3, "num_train": 64,
                                                 "num_eval": 16}, 1.0),
                          EnvSpec("guess_number", {"max_turns": 4, "num_train": 64, "num_eval": 16}, 1.0),
-                         EnvSpec(V1_GAME), EnvSpec("fix_op_v1", FIX_ARGS, 1.0, {**FIX_V1, "harness": "rlray_bash"}),
+                         EnvSpec(V1_GAME), EnvSpec("fix_op_v1", FIX_ARGS, 1.0, {**FIX_V1, "harness": "rlray_bash",
+                                                                                "sandbox": {"wall_s": FIX_WALL_S}}),
                          EnvSpec(FIX_BASH, FIX_ARGS, 1.0, {**FIX_V1, "harness": "bash",
-                                                           "harness_args": {"edit": False}})],
+                                                           "harness_args": {"edit": False}}),
+                         EnvSpec(FIX_NO_DISK, FIX_ARGS, 1.0, {**FIX_V1, "harness": "rlray_bash",
+                                                              "sandbox": {"disk_mb": 1 << 40}})],
                     allow_biased_sampling=True, python_path=[str(folder)])
     cluster.connect(ClusterConfig(), python_path=env.python_path)  # for the v1 env actor alone
     lt = LoopThread()
@@ -431,3 +438,18 @@ def test_an_agent_fixes_a_repository_through_tool_calls_run_in_the_sandbox(actor
         assert r.error is None and r.turns == 3 and r.stop == "max_turns", (r.error, r.turns, r.stop)
         outputs = [r.completion_ids[s:e].tolist() for v, s, e in runs(r.loss_mask) if v == 0]
         assert outputs == [tok("rlray-sandbox\n", add_special_tokens=False)["input_ids"]] * 2, outputs  # the third call's output: the turn limit came first
+
+
+def test_a_sandbox_that_cannot_start_and_a_tool_call_that_hangs_are_counted_errors(actor, monkeypatch) -> None:
+    """Failures stay episodes: each a rollout with reward 0, no trained token and its error, within the configured
+    time; the actor serves the next group."""
+    a, lt = actor
+    for r in forced(a, lt, monkeypatch, FIX_NO_DISK, 0, "done", 2):
+        assert "cannot start" in (r.error or "") and r.reward == 0.0 and not r.loss_mask.any(), r.error
+    started = time.monotonic()
+    hung = forced(a, lt, monkeypatch, "fix_op_v1", 0, r"bash\(sleep 100\)", 2)
+    assert time.monotonic() - started < FIX_WALL_S + 60
+    for r in hung:
+        assert "ran past the runtime's wall time" in (r.error or "") and r.reward == 0.0, r.error
+        assert r.error.startswith("HarnessError") and not r.loss_mask.any(), r.error
+    assert [r.error for r in forced(a, lt, monkeypatch, "fix_op_v1", 1, "done", 2)] == [None, None]

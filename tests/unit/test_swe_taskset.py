@@ -4,10 +4,11 @@
 - Hidden tests score a repository in the episode's sandbox: the task's own solution gets 1, the file as given or
   fixed wrongly 0, a file whose import never ends 0 at the sandbox's wall time; verifiers' subprocess runtime (the
   control) scores the same files the same.
+- Hidden tests that do not finish (an import that never ends) raise at the sandbox's wall time: a scoring error.
 - rlray_bash against a stand-in model endpoint (the sandbox's relay URL, as verifiers hands it to every harness):
   verifiers' bash system prompt and tool on every request, the tool call run in the sandbox (hostname
   `rlray-sandbox`; the host's own under the subprocess control), its output as the tool message, the reply ending
-  the loop; a turn refused by a limit ends it too.
+  the loop; a turn refused by a limit ends it too; a tool call past the wall time raises (a harness error).
 - An SFT sample of a tool episode is the hand-written sequence the harness would send: the harness's system prompt,
   the prompt, each assistant turn trained (loss mask 1), the tool output in between masked.
 """
@@ -57,7 +58,7 @@ class Model(http.server.BaseHTTPRequestHandler):
         status, message = 200, {"role": "assistant", "content": "done", "tool_calls": None}
         if len(body["messages"]) == 2:
             call = {"id": "c1", "type": "function", "function": {"name": "bash", "arguments": json.dumps(
-                {"command": "hostname"})}}
+                {"command": args["command"]})}}
             message = {"role": "assistant", "content": None, "tool_calls": [call]}
         elif args["refuse"]:
             status, message = 400, None
@@ -86,7 +87,10 @@ async def score(config, name, command):
     if command:
         await runtime.run(["bash", "-c", command], {})
     started = time.monotonic()
-    reward = await task.tests_pass(data, runtime)
+    try:
+        reward = await task.tests_pass(data, runtime)
+    except Exception as e:
+        reward = f"{type(e).__name__}: {e}"
     await runtime.stop()
     return [reward, time.monotonic() - started]
 
@@ -96,9 +100,14 @@ async def episode(config, name):
     await runtime.start()
     harness = BashToolHarness(BashToolHarnessConfig(id="rlray_bash"))
     trace = types.SimpleNamespace(stop_condition="max_turns" if args["refuse"] else None)
-    result = await harness.launch(types.SimpleNamespace(model="m"), trace, runtime,
-                                  runtime.host_url(f"http://127.0.0.1:{server.server_address[1]}/v1"), "k", {}, data)
-    await runtime.stop()
+    try:
+        result = await harness.launch(types.SimpleNamespace(model="m"), trace, runtime,
+                                      runtime.host_url(f"http://127.0.0.1:{server.server_address[1]}/v1"), "k", {}, data)
+    except Exception as e:
+        requests.clear()
+        return ["raised", f"{type(e).__name__}: {e}"]
+    finally:
+        await runtime.stop()
     sent = [[m["role"] for m in r["messages"]] for r in requests]
     out = [result.stdout, sent, requests[0]["messages"][0]["content"], [t["function"]["name"] for t in requests[0]["tools"]],
            requests[-1]["messages"][-1]]
@@ -115,8 +124,10 @@ async def main():
     hang = f"printf 'while 1:\\n    pass\\n' > {data.file}.py"
     out = {"data": [data.file, data.source, data.tests, fix, wrong]}
     for kind, config in (("sandbox", BwrapConfig(wall_s=3)), ("subprocess", SubprocessConfig())):
-        tried = {"as given": None, "fixed": fix, "fixed wrongly": wrong}
-        if kind == "sandbox":
+        if kind not in args["kinds"]:
+            continue
+        tried = {"as given": None, "fixed": fix, "fixed wrongly": wrong} if args["score"] else {}
+        if kind == "sandbox" and args["score"]:
             tried["hangs"] = hang
         out[kind] = {what: await score(config, f"fix-{kind}-{i}-{args['marker']}", c)
                      for i, (what, c) in enumerate(tried.items())}
@@ -127,9 +138,10 @@ asyncio.run(main())
 '''
 
 
-def run_check(refuse: bool) -> dict:
-    done = subprocess.run([v1.python(EnvConfig()), "-c", TASK_CHECK, json.dumps({"marker": uuid.uuid4().hex[:8],
-                                                                                 "refuse": refuse})],
+def run_check(refuse: bool = False, command: str = "hostname", kinds: tuple = ("sandbox", "subprocess")) -> dict:
+    args = {"marker": uuid.uuid4().hex[:8], "refuse": refuse, "command": command, "kinds": kinds,
+            "score": not refuse and command == "hostname"}
+    done = subprocess.run([v1.python(EnvConfig()), "-c", TASK_CHECK, json.dumps(args)],
                           capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.splitlines()[-1])
@@ -137,13 +149,14 @@ def run_check(refuse: bool) -> dict:
 
 @needs_bwrap
 def test_hidden_tests_score_the_repository_in_the_sandbox_and_rlray_bash_runs_tool_calls_there() -> None:
-    out = run_check(refuse=False)
+    out = run_check()
     file, source, tests, fix, wrong = out["data"]
     assert source.startswith(f"def {file}(") and len(tests) == 3 and fix.startswith("sed -i s,") and wrong != fix
     for kind in ("sandbox", "subprocess"):
         scores = {what: reward for what, (reward, _) in out[kind].items()}
         assert scores["as given"] == 0.0 and scores["fixed"] == 1.0 and scores["fixed wrongly"] == 0.0, (kind, out)
-    assert out["sandbox"]["hangs"][0] == 0.0 and out["sandbox"]["hangs"][1] < 3 + 10, out["sandbox"]
+    hung, seconds = out["sandbox"]["hangs"]  # not a 0 the policy earned: a scoring error (rlray counts RewardError)
+    assert hung.startswith("RuntimeError: the hidden tests did not finish (exit 124)") and seconds < 3 + 10, hung
     for kind, host in (("sandbox", "rlray-sandbox"), ("subprocess", socket.gethostname())):
         reply, sent, system, tools, last = out[kind + " episode"]
         assert reply == "done" and system.startswith(BASH_SYSTEM) and tools == ["bash"], out[kind + " episode"]
@@ -152,11 +165,13 @@ def test_hidden_tests_score_the_repository_in_the_sandbox_and_rlray_bash_runs_to
 
 
 @needs_bwrap
-def test_a_turn_refused_by_a_limit_ends_the_rlray_bash_loop() -> None:
+def test_rlray_bash_ends_at_a_refused_turn_and_raises_for_a_tool_call_past_the_wall_time() -> None:
     out = run_check(refuse=True)
     for kind in ("sandbox", "subprocess"):
         reply, sent, *_ = out[kind + " episode"]
         assert reply == "" and len(sent) == 2, out[kind + " episode"]
+    raised, why = run_check(command="sleep 100", kinds=("sandbox",))["sandbox episode"]  # the sandbox's wall time is 3 s here
+    assert raised == "raised" and why.startswith("ToolTimeout: tool call bash(sleep 100) ran past"), why
 
 
 @needs_bwrap

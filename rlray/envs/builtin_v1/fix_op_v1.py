@@ -4,7 +4,8 @@ Each task is a one-file Python repository, `<file>.py` holding `def <fn>(<x>, <y
 with the wrong operator (one of + - *), and a prompt naming the file, the buggy line and one call with its right
 value: `fix calc.py so calc(4,3)=12. it has: return a-b`. Hidden tests (three other calls, never in the
 workspace) run inside the episode's runtime after the agent is done: reward = the fraction whose value is right
-(a file that fails to import, or a test run past `test_timeout_s`, scores 0). Everything the agent must write is in
+(a file that fails to import or raises scores 0); a test run that does not finish (past the sandbox's wall time,
+killed) raises, which verifiers records as a scoring error (rlray: `RewardError`, reward 0, counted). Everything the agent must write is in
 the tiny character vocabulary (rlray.data.tokenizer): the fix is one tool call, `sed -i s,<x>.<y>,<x><op><y>,
 <file>.py`, then a reply ending the episode; `solution` holds that episode (an assistant tool call, its empty
 tool output, the reply `done`) for multi-turn SFT (rlray.envs.sft). Splits: `train` and `eval` draw from disjoint
@@ -44,8 +45,11 @@ class FixTask(vf.Task[FixData, vf.State, vf.TaskConfig]):
     async def tests_pass(self, task: FixData, runtime: vf.Runtime) -> float:
         calls = json.dumps([t[:2] for t in task.tests])
         done = await runtime.run([sys.executable, "-I", "-c", CHECK, task.file, task.fn, calls], {})
+        if done.exit_code != 0:  # the runner itself did not finish (past the wall time, killed): an error, not a 0
+            raise RuntimeError(f"the hidden tests did not finish (exit {done.exit_code}): "
+                               f"{' '.join(done.stderr.split())[-200:]}")
         try:
-            values = json.loads(done.stdout.strip().splitlines()[-1]) if done.exit_code == 0 else None
+            values = json.loads(done.stdout.strip().splitlines()[-1])
         except (ValueError, IndexError):
             values = None
         if not isinstance(values, list):
