@@ -2,8 +2,10 @@
 
 Measured in the v1 interpreter (a subprocess), beside verifiers' own unsandboxed subprocess runtime: a sandbox's start
 and teardown (folders and cgroup), a command (`true`: one bubblewrap with its namespaces and the launcher), a command
-that reaches a host HTTP server through the relay, and commands per second with 1, 2, 4, ... sandboxes running at
-once (their median latency): how many sandboxes a node's cores keep busy. Median of `--repeats`.
+that reaches a host HTTP server through the relay, what an agent episode runs in its runtime (verifiers' bash harness
+program up to its argument parsing: a Python importing openai, mcp and httpx; fix_op_v1's hidden tests; with their
+processes' CPU time, as bash's `times` counts it, not the sandbox's own), and commands per second with 1, 2, 4, ... sandboxes running at once (their median
+latency): how many sandboxes a node's cores keep busy. Median of `--repeats`.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from rlray.bench.common import Column, Report
 
 FULL = {"repeats": 20, "concurrency": [1, 2, 4, 8, 16]}
 QUICK = {"repeats": 3, "concurrency": [1, 2]}
+PROGRAM = "bash harness program start"
+TESTS = "fix_op_v1 hidden tests"
 RELAYED = ("exec 3<>/dev/tcp/127.0.0.1/{port} && printf 'GET / HTTP/1.0\\r\\n\\r\\n' >&3 && cat <&3 >/dev/null")
 
 
@@ -40,14 +44,17 @@ def run(args: argparse.Namespace) -> Report:
     out = json.loads(done.stdout.splitlines()[-1])
     report = Report("sandbox", args.quick, params=params)
     report.columns = [Column("what", "what", left=True), Column("runtime", "runtime", left=True),
-                      Column("ms", "median ms", "{:.1f}"), Column("per_s", "commands/s", "{:.1f}"),
+                      Column("ms", "median ms", "{:.1f}"), Column("cpu_ms", "CPU ms", "{:.0f}"),
+                      Column("per_s", "commands/s", "{:.1f}"),
                       Column("per_core", "commands/s per core", "{:.1f}")]
     report.rows = out["rows"]
     by = {(r["what"], r["runtime"]): r["ms"] for r in out["rows"]}
     report.ratios = {"a command, sandbox / subprocess": by[("command (true)", "sandbox")] /
                      by[("command (true)", "subprocess")],
                      "relayed request, sandbox / subprocess": by[("HTTP request to the host", "sandbox")] /
-                     by[("HTTP request to the host", "subprocess")]}
+                     by[("HTTP request to the host", "subprocess")],
+                     "bash program start / a command, in the sandbox": by[(PROGRAM, "sandbox")] /
+                     by[("command (true)", "sandbox")]}
     report.notes = [f"{os.cpu_count()} cores; cgroup: {out['cgroup']}"]
     return report
 
@@ -82,8 +89,11 @@ async def _measure(params: dict[str, Any]) -> None:
         await box.start()
         inside = box.host_url(f"http://127.0.0.1:{port}/").rsplit(":", 1)[1].strip("/")
         for what, argv in (("command (true)", ["true"]),
-                           ("HTTP request to the host", ["bash", "-c", RELAYED.format(port=inside)])):
-            rows.append({"what": what, "runtime": label, "ms": statistics.median(await _serial(box, argv, repeats))})
+                           ("HTTP request to the host", ["bash", "-c", RELAYED.format(port=inside)]),
+                           (PROGRAM, [*await _program(box), "--help"]), (TESTS, await _tests(box))):
+            ms = statistics.median(await _serial(box, argv, repeats))
+            cpu = statistics.median(await _cpu(box, argv, repeats))
+            rows.append({"what": what, "runtime": label, "ms": ms, "cpu_ms": cpu})
         await box.stop()
     for n in params["concurrency"]:
         boxes = [runtimes.make_runtime(BwrapConfig(), f"bench-par-{n}-{i}-{tag}") for i in range(n)]
@@ -116,6 +126,44 @@ def _serve() -> int:
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Ok)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     return server.server_address[1]
+
+
+async def _program(box: Any) -> list[str]:
+    """verifiers' bash harness program as its harness prepares it (the sandbox: the v1 interpreter, no uv)."""
+    import sys
+
+    from verifiers.v1.harnesses.utils.launch import CHAT_PROGRAM_SOURCE
+
+    if hasattr(box, "host_side"):  # the sandbox
+        return await box.prepare_uv_script(CHAT_PROGRAM_SOURCE, {}, activate=False)
+    await box.write("program.py", CHAT_PROGRAM_SOURCE.encode())
+    return [sys.executable, str(box.workdir / "program.py")]
+
+
+async def _tests(box: Any) -> list[str]:
+    """fix_op_v1's hidden-test run of its first training task, its file in the workspace."""
+    import sys
+
+    from rlray.envs import v1_worker
+
+    v1_worker._import_path([])
+    from fix_op_v1 import CHECK, task_data
+
+    data = task_data("train", 0, 0)
+    await box.write(f"{data.file}.py", data.source.encode())
+    return [sys.executable, "-I", "-c", CHECK, data.file, data.fn, json.dumps([t[:2] for t in data.tests])]
+
+
+async def _cpu(box: Any, argv: list[str], repeats: int) -> list[float]:
+    """CPU ms of `argv`'s processes (user + system), as the shell running it inside the runtime counts them."""
+    import re
+
+    out = []
+    for _ in range(repeats):
+        done = await box.run(["bash", "-c", '"$@" >/dev/null 2>&1; times', "bash", *argv], {})
+        children = done.stdout.strip().splitlines()[-1]
+        out.append(sum(int(m) * 60_000 + float(s) * 1000 for m, s in re.findall(r"(\d+)m([\d.]+)s", children)))
+    return out
 
 
 async def _timed(awaitable: Any) -> float:

@@ -279,10 +279,16 @@ class SandboxConfig:
     fsize_mb: int = 256  # the largest file
     disk_mb: int = 512  # the episode's files in all (checked after each command)
     keep_failed: bool = False  # keep a failed episode's folder (~/.cache/rlray/sandbox/<trace>) for a look
+    # commands running at once per v1 env actor, the others waiting their turn (before their wall time starts);
+    # 0: as many as half the node's memory holds at memory_mb each (rlray.envs.sandbox.max_running)
+    max_running: int = 0
 
     def __post_init__(self) -> None:
         if self.network not in ("none", "host"):
             raise ConfigError(f"env.v1.sandbox.network={self.network!r}: choose none (the model endpoint only) or host")
+        if self.max_running < 0:
+            raise ConfigError(f"env.v1.sandbox.max_running={self.max_running}: give 0 (from the node's memory) or a "
+                              "positive count")
         small = [k for k in ("wall_s", "cpu_s", "memory_mb", "nproc", "nofile", "fsize_mb", "disk_mb")
                  if getattr(self, k) <= 0]
         if small:

@@ -18,6 +18,8 @@ Contract:
   SandboxError when the host's disk has less than `disk_mb` free.
 - `Cgroup.create(name, limits)`: the episode's cgroup, or None where none is writable; `attach()` (in a child before
   exec), `kill()`, `remove()`.
+- `max_running(memory_mb, given)`: how many commands a process runs in sandboxes at once: `given`, or when 0 as many
+  as half this node's memory (MemTotal) holds at `memory_mb` each (at least 1).
 - `probe()`: None when bwrap runs here with the namespaces above, else one line naming the fix.
 - `sweep(root)`: removes the sandboxes under `root` whose owning process is gone (killed before its teardown).
 """
@@ -59,6 +61,15 @@ class Limits:
 
 class SandboxError(RuntimeError):
     pass
+
+
+def node_memory_mb() -> int:
+    with open("/proc/meminfo") as f:
+        return int(next(line.split()[1] for line in f if line.startswith("MemTotal:"))) >> 10
+
+
+def max_running(memory_mb: int, given: int = 0) -> int:
+    return given if given > 0 else max(1, node_memory_mb() // 2 // memory_mb)
 
 
 def _passwd() -> bytes:

@@ -15,11 +15,13 @@ Contract:
 - `describe(python, specs, python_path)`: every v1 env's tasks by split, from a subprocess of the v1
   interpreter (`python -m rlray.envs.v1_worker describe`, once per process and request); a v1 env that
   fails to load is a ValueError of one line.
-- `console_line(envs, env)`: the launch's line about the run's v1 envs.
+- `console_line(envs, env)`: the launch's line about the run's v1 envs, and when one runs in the sandbox a line of
+  how many sandboxed commands run at once and each one's limits (`sandbox_line`).
 - `V1Env(id, spec, rows)`: rlray's handle on one v1 env (the `Env` interface: `row`, `example`,
   `num_examples`) over `describe`'s entry; a row is the task's data with `prompt` as chat messages (the system
   prompt first: a bash-like harness's own, then the task's, as the harness sends them), `answer` (empty when
-  the task has none) and `example_id`; `tools` are the harness's tools (None without); `actor` is set by the rollout actor to its
+  the task has none) and `example_id`; `tools` are the harness's tools (None without); `sandboxed` whether its
+  episodes run in the sandbox; `actor` is set by the rollout actor to its
   v1 env actor, which runs the episodes.
 """
 
@@ -171,8 +173,9 @@ class V1Env:
         self.id, self.spec = env_id, env_spec
         harness = rows.get("harness") or {}
         self.tools: list[dict] | None = harness.get("tools")
+        self.sandboxed = bool(rows.get("sandboxed"))
         self.rows = {split: [_row(d, i, harness.get("system")) for i, d in enumerate(rs)]
-                     for split, rs in rows.items() if split != "harness"}
+                     for split, rs in rows.items() if split in ("train", "eval")}
         self.actor: Any = None
 
     def num_examples(self, split: str) -> int:
@@ -197,5 +200,19 @@ def console_line(envs: list, env: Any) -> str | None:
     if not found:
         return None
     each = ", ".join(f"{e.id} ({e.num_examples('train')} train / {e.num_examples('eval')} eval tasks, "
-                     f"harness {e.spec['harness']})" for e in found)
-    return f"verifiers v1 envs: {each}; a v1 env actor beside each rollout actor, in {python(env)}"
+                     f"harness {e.spec['harness']}{', sandboxed' if e.sandboxed else ''})" for e in found)
+    line = f"verifiers v1 envs: {each}; a v1 env actor beside each rollout actor, in {python(env)}"
+    boxed = next((e for e in found if e.sandboxed), None)
+    return line if boxed is None else line + "\n" + sandbox_line(boxed.spec["sandbox"])
+
+
+def sandbox_line(box: dict[str, Any]) -> str:
+    """How many sandboxed commands each v1 env actor runs at once, and what bounds each (rlray.envs.sandbox)."""
+    from rlray.envs.sandbox import max_running, node_memory_mb
+
+    n = max_running(box["memory_mb"], box["max_running"])
+    how = ("env.v1.sandbox.max_running" if box["max_running"] else
+           f"half of this node's {node_memory_mb() / 1024:.0f} GB at env.v1.sandbox.memory_mb={box['memory_mb']}")
+    return (f"sandbox: up to {n} commands at once per v1 env actor ({how}; the rest wait their turn), each within "
+            f"{box['memory_mb']} MB, {box['nproc']} processes, {box['cpu_s']} CPU-s, {box['wall_s']:g} s, "
+            f"{box['disk_mb']} MB of files, network {box['network']}")

@@ -9,7 +9,9 @@ makes a `BwrapRuntime`. verifiers' own checks see a subprocess runtime: a harnes
 refused, `bash` passes.
 
 Contract:
-- `BwrapConfig(network, wall_s, cpu_s, memory_mb, nproc, nofile, fsize_mb, disk_mb, keep_failed)`.
+- `BwrapConfig(network, wall_s, cpu_s, memory_mb, nproc, nofile, fsize_mb, disk_mb, keep_failed, max_running)`.
+- `slots(config)`: the process's one semaphore of commands running at once (`max_running`, rlray.envs.sandbox), sized
+  by the first config that asks; `run` waits for a slot before its command starts (and its wall time with it).
 - `BwrapRuntime`: `start()` makes the episode's folders under `~/.cache/rlray/sandbox/<name>` and its cgroup;
   `run`/`run_program` one bwrap each (files persist between them, processes do not), killed past `wall_s` (exit
   124, the reason on stderr); `write`/`read` the sandbox's files by their paths inside; `host_url(url)` gives a
@@ -39,7 +41,7 @@ from verifiers.v1.errors import SandboxError
 from verifiers.v1.runtimes.base import ProgramResult
 from verifiers.v1.runtimes.subprocess import SubprocessConfig, SubprocessRuntime, SubprocessRuntimeInfo
 
-from rlray.envs.sandbox import RELAY_SOCKET, SCRIPTS, Cgroup, Limits, Sandbox, sweep
+from rlray.envs.sandbox import RELAY_SOCKET, SCRIPTS, Cgroup, Limits, Sandbox, max_running, sweep
 
 ROOT = Path.home() / ".cache" / "rlray" / "sandbox"
 FIRST_PORT = 8100
@@ -56,6 +58,7 @@ class BwrapConfig(SubprocessConfig):
     fsize_mb: int = Field(Limits.fsize_mb, exclude=True)
     disk_mb: int = Field(Limits.disk_mb, exclude=True)
     keep_failed: bool = Field(False, exclude=True)
+    max_running: int = Field(0, exclude=True)
 
     def limits(self) -> Limits:
         return Limits(self.wall_s, self.cpu_s, self.memory_mb, self.nproc, self.nofile, self.fsize_mb, self.disk_mb)
@@ -70,6 +73,15 @@ def interpreter_binds() -> tuple[str, ...]:
         if not p.startswith("/usr/") and not any(p == k or p.startswith(k + "/") for k in kept):
             kept.append(p)
     return tuple(kept)
+
+
+_SLOTS: list[asyncio.Semaphore] = []
+
+
+def slots(config: BwrapConfig) -> asyncio.Semaphore:
+    if not _SLOTS:
+        _SLOTS.append(asyncio.Semaphore(max_running(config.memory_mb, config.max_running)))
+    return _SLOTS[0]
 
 
 class BwrapRuntime(SubprocessRuntime):
@@ -93,6 +105,10 @@ class BwrapRuntime(SubprocessRuntime):
     async def run(self, argv: list[str], env: dict[str, str]) -> ProgramResult:
         if self.workdir is None:
             raise SandboxError("the sandbox runtime was not started")
+        async with slots(self.config):
+            return await self._run(argv, env)
+
+    async def _run(self, argv: list[str], env: dict[str, str]) -> ProgramResult:
         limits = self.sandbox.limits
         ports = dict(self.ports)
         command = self.sandbox.command(argv, self.process_env(env), list(ports.values()))

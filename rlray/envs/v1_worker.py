@@ -12,12 +12,13 @@ Contract:
   tokenizer folder and `chat_template` the template the engine serves with (the renderer renders
   prompts with it, so the ids the TrainClient sends are the ids the engine's chat route would build);
   `tool_format` "rlray" when tool calls are written as that template's `name(args)` (rlray.envs.v1_render).
-- `describe() -> {env id: {"train": rows, "eval": rows, "harness": ...}}`: loads every env once (off the loop, whose
+- `describe() -> {env id: {"train": rows, "eval": rows, "harness": ..., "sandboxed": ...}}`: loads every env once (off the loop, whose
   interception servers answer the harnesses; a harness its runtime cannot host fails here, as verifiers'
   own `validate_pairing` says) and returns every task's data (`TaskData.model_dump`, JSON types, fields
   at their defaults left out, at most `max_tasks`) of the taskset loaded with `args` (train) and with
   `args` + `eval_args` (eval; `split: eval` too when the taskset config has a `split` field), and the system
-  prompt and tools a bash-like harness adds (rlray.envs.v1_tools.preamble; None for others).
+  prompt and tools a bash-like harness adds (rlray.envs.v1_tools.preamble; None for others) and whether the env's
+  episodes run in the sandbox.
 - `group(env_id, split, index, base_url, model, sampling) -> list[dict]`: one episode per entry of
   `sampling` (each its own sampling args, a seed among them) of task `index` (modulo the split's size),
   run with verifiers' own `Env.run_slot` and a `TrainClient` on the rollout actor's endpoint `base_url`.
@@ -203,7 +204,9 @@ def load_all(specs: dict[str, dict], python_path: list[str]) -> dict[tuple[str, 
 def describe_all(loaded: dict[tuple[str, str], tuple[Any, list]],
                  specs: dict[str, dict]) -> dict[str, dict[str, Any]]:
     """Each task's data, fields at their defaults left out (a taskset's rows cross a pipe and Ray), and under
-    "harness" what a bash-like harness puts before the task (rlray.envs.v1_tools.preamble) or None."""
+    "harness" what a bash-like harness puts before the task (rlray.envs.v1_tools.preamble) or None, under
+    "sandboxed" whether its episodes run in the sandbox."""
+    from rlray.envs.v1_sandbox import BwrapConfig
     from rlray.envs.v1_tools import preamble
 
     out: dict[str, dict[str, Any]] = {}
@@ -212,6 +215,7 @@ def describe_all(loaded: dict[tuple[str, str], tuple[Any, list]],
                                               "idx": t.data.idx} for t in listed]
         agent = getattr(env.config, specs[env_id].get("role", "agent"), None)
         out[env_id]["harness"] = preamble(agent.harness) if getattr(agent, "harness", None) is not None else None
+        out[env_id]["sandboxed"] = isinstance(getattr(agent, "runtime", None), BwrapConfig)
     return out
 
 

@@ -138,6 +138,37 @@ asyncio.run(main())
 '''
 
 
+SLOTS_CHECK = r'''
+import asyncio, json, sys, time
+import verifiers.v1.runtimes as rt
+from rlray.envs.v1_sandbox import BwrapConfig, install
+
+install()
+STAMP = "echo $(date +%s.%N); sleep 0.3; echo $(date +%s.%N)"
+
+
+async def main():
+    boxes = [rt.make_runtime(BwrapConfig(max_running=1), f"slot-{i}-{sys.argv[1]}") for i in range(3)]
+    for b in boxes:
+        await b.start()
+    done = await asyncio.gather(*(b.run(["bash", "-c", STAMP], {}) for b in boxes))
+    for b in boxes:
+        await b.stop()
+    print(json.dumps([[float(t) for t in d.stdout.split()] for d in done]))
+
+asyncio.run(main())
+'''
+
+
+@needs_bwrap
+def test_a_process_runs_at_most_max_running_sandboxed_commands_at_once() -> None:
+    done = subprocess.run([v1.python(EnvConfig()), "-c", SLOTS_CHECK, uuid.uuid4().hex[:8]], capture_output=True,
+                          text=True, timeout=300, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    spans = sorted(json.loads(done.stdout.splitlines()[-1]))
+    assert len(spans) == 3 and all(a[1] <= b[0] for a, b in zip(spans, spans[1:])), spans  # one after another
+
+
 def run_check(refuse: bool = False, command: str = "hostname", kinds: tuple = ("sandbox", "subprocess")) -> dict:
     args = {"marker": uuid.uuid4().hex[:8], "refuse": refuse, "command": command, "kinds": kinds,
             "score": not refuse and command == "hostname"}
@@ -187,6 +218,10 @@ def test_a_tool_episode_is_sft_data_as_the_harness_sends_it() -> None:
     train = {env.row("train", i)["prompt"][1]["content"] for i in range(64)}
     held_out = {env.row("eval", i)["prompt"][1]["content"] for i in range(64)}
     assert not train & held_out  # the splits' example calls differ
+    mem_mb = int(Path("/proc/meminfo").read_text().split("MemTotal:")[1].split()[0]) >> 10
+    lines = v1.console_line([env], cfg).splitlines()
+    assert "fix_op_v1 (64 train / 64 eval tasks, harness rlray_bash, sandboxed)" in lines[0]
+    assert lines[1].startswith(f"sandbox: up to {max(1, mem_mb // 2 // 2048)} commands at once per v1 env actor"), lines
     row = env.row("train", 5)
     system, user = row["prompt"]
     assert system == {"role": "system", "content": BASH_SYSTEM} and user["role"] == "user"

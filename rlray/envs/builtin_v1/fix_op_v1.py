@@ -1,15 +1,16 @@
 """fix_op_v1: a tiny software-engineering taskset for agents with a bash tool: fix the operator of a generated function.
 
 Each task is a one-file Python repository, `<file>.py` holding `def <fn>(<x>, <y>):` whose body returns `<x><op><y>`
-with the wrong operator (one of + - *), and a prompt naming the file, the buggy line and one call with its right
-value: `fix calc.py so calc(4,3)=12. it has: return a-b`. Hidden tests (three other calls, never in the
-workspace) run inside the episode's runtime after the agent is done: reward = the fraction whose value is right
-(a file that fails to import or raises scores 0); a test run that does not finish (past the sandbox's wall time,
-killed) raises, which verifiers records as a scoring error (rlray: `RewardError`, reward 0, counted). Everything the agent must write is in
-the tiny character vocabulary (rlray.data.tokenizer): the fix is one tool call, `sed -i s,<x>.<y>,<x><op><y>,
-<file>.py`, then a reply ending the episode; `solution` holds that episode (an assistant tool call, its empty
-tool output, the reply `done`) for multi-turn SFT (rlray.envs.sft). Splits: `train` and `eval` draw from disjoint
-(right operator, example call) pairs, so an eval task's example was never a training one's.
+with the wrong operator (one of + - *), and a prompt naming the file, what the function should do and the buggy
+line: `fix calc.py: calc should multiply. it has: return a-b`. Hidden tests (three calls, each telling the right
+operator from the others, never in the workspace) run inside the episode's runtime after the agent is done: reward =
+the fraction whose value is right (a file that fails to import or raises scores 0); a test run that does not finish
+(past the sandbox's wall time, killed) raises, which verifiers records as a scoring error (rlray: `RewardError`,
+reward 0, counted). Everything the agent must write is in the tiny character vocabulary (rlray.data.tokenizer): the
+fix is one tool call, `sed -i s,<x>.<y>,<x><op><y>, <file>.py`, then a reply ending the episode; `solution` holds
+that episode (an assistant tool call, its empty tool output, the reply `done`) for multi-turn SFT (rlray.envs.sft).
+Splits: `train` and `eval` draw from disjoint (file, arguments, right operator, wrong operator) combinations (one in
+five held out), so no eval repository and request was trained on; tasks of a combination differ in their tests.
 """
 
 from __future__ import annotations
@@ -17,11 +18,13 @@ from __future__ import annotations
 import json
 import random
 import sys
+import zlib
 from collections.abc import Iterator
 
 import verifiers.v1 as vf
 
 OPS = {"+": lambda x, y: x + y, "-": lambda x, y: x - y, "*": lambda x, y: x * y}
+VERBS = {"+": "add", "-": "subtract", "*": "multiply"}
 FILES = ("calc", "ops", "mathx", "f", "g")
 ARGS = (("a", "b"), ("x", "y"), ("m", "n"), ("p", "q"))
 CHECK = ("import importlib,json,sys\nsys.path.insert(0,'.')\ntry:\n    m=importlib.import_module(sys.argv[1])\n"
@@ -64,7 +67,7 @@ class FixConfig(vf.TasksetConfig):
 
 
 def _calls(rng: random.Random, op: str, n: int) -> list[tuple[int, int]]:
-    """`n` distinct calls whose value under `op` differs from every other operator's (so one example names `op`)."""
+    """`n` distinct calls whose value under `op` differs from every other operator's (each test tells `op` apart)."""
     out: list[tuple[int, int]] = []
     while len(out) < n:
         x, y = rng.randint(2, 9), rng.randint(2, 9)
@@ -73,19 +76,17 @@ def _calls(rng: random.Random, op: str, n: int) -> list[tuple[int, int]]:
     return out
 
 
-def _split_of(op: str, x: int, y: int) -> str:
-    return "eval" if (x * 7 + y * 3 + len(op)) % 5 == 0 else "train"
+def split_of(file: str, args: tuple[str, str], right: str, wrong: str) -> str:
+    return "eval" if zlib.crc32(f"{file}:{args}:{right}:{wrong}".encode()) % 5 == 0 else "train"
 
 
 def task_data(split: str, index: int, seed: int) -> FixData:
     rng = random.Random(f"fix_op:{seed}:{split}:{index}")
     while True:
-        right = rng.choice(list(OPS))
-        (x0, y0), *hidden = _calls(rng, right, 4)
-        if _split_of(right, x0, y0) == split:
+        file, (a, b), right = rng.choice(FILES), rng.choice(ARGS), rng.choice(list(OPS))
+        wrong = rng.choice([o for o in OPS if o != right])
+        if split_of(file, (a, b), right, wrong) == split:
             break
-    wrong = rng.choice([o for o in OPS if o != right])
-    file, (a, b) = rng.choice(FILES), rng.choice(ARGS)
     fn = file
     source = f"def {fn}({a}, {b}):\n    return {a}{wrong}{b}\n"
     call = f"sed -i s,{a}.{b},{a}{right}{b}, {file}.py"
@@ -94,9 +95,9 @@ def task_data(split: str, index: int, seed: int) -> FixData:
                                  "function": {"name": "bash", "arguments": json.dumps({"command": call})}}]},
                 {"role": "tool", "tool_call_id": "call-0", "name": "bash", "content": ""},
                 {"role": "assistant", "content": "done"}]
-    prompt = f"fix {file}.py so {fn}({x0},{y0})={OPS[right](x0, y0)}. it has: return {a}{wrong}{b}"
+    prompt = f"fix {file}.py: {fn} should {VERBS[right]}. it has: return {a}{wrong}{b}"
     return FixData(id=f"{split}-{index}", prompt=prompt, file=file, fn=fn, source=source,
-                   tests=[[x, y, OPS[right](x, y)] for x, y in hidden], solution=solution)
+                   tests=[[x, y, OPS[right](x, y)] for x, y in _calls(rng, right, 3)], solution=solution)
 
 
 class FixTaskset(vf.Taskset[FixTask, FixConfig]):
