@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import shutil
 import socket
@@ -33,48 +34,18 @@ needs_bwrap = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewr
                                  "installs it as root: apt-get install bubblewrap)")
 
 TASK_CHECK = r'''
-import asyncio, http.server, json, sys, threading, time, types
+import asyncio, json, sys, time
 import verifiers.v1 as vf
 import verifiers.v1.runtimes as rt
 from verifiers.v1.runtimes.subprocess import SubprocessConfig
 from rlray.envs import v1_worker
 from rlray.envs.v1_sandbox import BwrapConfig, install
+from tests.v1_model import ScriptedModel, bash_episode
 
 v1_worker._import_path([]); v1_worker._register_harness(); install()
 from fix_op_v1 import FixTask, task_data
-from rlray.envs.v1_tools import BashToolHarness, BashToolHarnessConfig
 
 args = json.loads(sys.argv[1])
-requests = []
-
-
-class Model(http.server.BaseHTTPRequestHandler):
-    """An OpenAI chat endpoint: a bash tool call first, then the reply `done` (or a refusal, when asked)."""
-    protocol_version = "HTTP/1.1"
-
-    def do_POST(self):
-        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        requests.append(body)
-        status, message = 200, {"role": "assistant", "content": "done", "tool_calls": None}
-        if len(body["messages"]) == 2:
-            call = {"id": "c1", "type": "function", "function": {"name": "bash", "arguments": json.dumps(
-                {"command": args["command"]})}}
-            message = {"role": "assistant", "content": None, "tool_calls": [call]}
-        elif args["refuse"]:
-            status, message = 400, None
-        data = json.dumps({"choices": [{"index": 0, "message": message}]} if message else {"error": "stopped"}).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def log_message(self, *a):
-        pass
-
-
-server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Model)
-threading.Thread(target=server.serve_forever, daemon=True).start()
 data = task_data("train", 3, 0)
 right = data.tests[0][2]
 
@@ -98,21 +69,16 @@ async def score(config, name, command):
 async def episode(config, name):
     runtime = rt.make_runtime(config, name)
     await runtime.start()
-    harness = BashToolHarness(BashToolHarnessConfig(id="rlray_bash"))
-    trace = types.SimpleNamespace(stop_condition="max_turns" if args["refuse"] else None)
+    model = ScriptedModel([args["command"]], refuse_after=1 if args["refuse"] else None)
     try:
-        result = await harness.launch(types.SimpleNamespace(model="m"), trace, runtime,
-                                      runtime.host_url(f"http://127.0.0.1:{server.server_address[1]}/v1"), "k", {}, data)
+        result = await bash_episode(runtime, model, data, "max_turns" if args["refuse"] else None)
     except Exception as e:
-        requests.clear()
         return ["raised", f"{type(e).__name__}: {e}"]
     finally:
         await runtime.stop()
-    sent = [[m["role"] for m in r["messages"]] for r in requests]
-    out = [result.stdout, sent, requests[0]["messages"][0]["content"], [t["function"]["name"] for t in requests[0]["tools"]],
-           requests[-1]["messages"][-1]]
-    requests.clear()
-    return out
+    first = model.requests[0]
+    return [result.stdout, [[m["role"] for m in r["messages"]] for r in model.requests], first["messages"][0]["content"],
+            [t["function"]["name"] for t in first["tools"]], model.requests[-1]["messages"][-1]]
 
 
 async def main():
@@ -166,7 +132,7 @@ def test_a_process_runs_at_most_max_running_sandboxed_commands_at_once() -> None
                           text=True, timeout=300, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
     spans = sorted(json.loads(done.stdout.splitlines()[-1]))
-    assert len(spans) == 3 and all(a[1] <= b[0] for a, b in zip(spans, spans[1:])), spans  # one after another
+    assert len(spans) == 3 and all(a[1] <= b[0] for a, b in itertools.pairwise(spans)), spans  # one after another
 
 
 def run_check(refuse: bool = False, command: str = "hostname", kinds: tuple = ("sandbox", "subprocess")) -> dict:

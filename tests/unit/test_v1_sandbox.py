@@ -1,6 +1,6 @@
 """The sandbox of v1 harnesses that execute commands (rlray.envs.sandbox, rlray.envs.v1_sandbox), with the real
-bubblewrap: each escape a command tries in the sandbox fails, and the same command under verifiers' own subprocess
-runtime (the positive control) succeeds; the runaways (a fork bomb, a 10 GB allocation, an endless loop) end at their
+bubblewrap: each escape, an episode of rlray_bash whose tool call (a scripted model's, tests/v1_model.py) tries it,
+fails in the sandbox, and the same episode under verifiers' own subprocess runtime (the positive control) succeeds; the runaways (a fork bomb, a 10 GB allocation, an endless loop) end at their
 limits within the configured time while the host's event loop keeps its pace, and no process of theirs is left.
 The v1-side checks run in the v1 interpreter (.venv-v1, which `make test` builds); the non-root one as uid 65534
 through the standard-library half, where no cgroup is writable (rlimits only)."""
@@ -31,8 +31,10 @@ ESCAPES = r'''
 import asyncio, json, os, subprocess, sys, time
 from pathlib import Path
 from rlray.envs.v1_sandbox import BwrapConfig, install
+import verifiers.v1 as vf
 import verifiers.v1.runtimes as rt
 from verifiers.v1.runtimes.subprocess import SubprocessConfig
+from tests.v1_model import ScriptedModel, bash_episode
 
 args = json.loads(sys.argv[1])
 install()
@@ -57,8 +59,10 @@ async def escapes(config, name):
         await asyncio.sleep(0.05)
     out = {}
     for what, command in TRIES.items():
-        command = command.replace("{other}", str(other.workdir))
-        out[what] = (await first.run(["bash", "-c", command], {})).exit_code == 0
+        command = command.replace("{other}", str(other.workdir))  # an episode whose tool call tries it
+        model = ScriptedModel([f"({command}) >/dev/null 2>&1 && echo escaped"])
+        await bash_episode(first, model, vf.TaskData(id=what, prompt="go"))
+        out[what] = model.tool_outputs() == ["escaped\n"]
     sleeper.cancel()
     await asyncio.gather(sleeper, return_exceptions=True)
     await first.stop(); await other.stop()
