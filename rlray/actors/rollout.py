@@ -49,6 +49,7 @@ from rlray.config import EnvConfig, ModelConfig, RolloutConfig, engine_workers
 from rlray.config.families import family, known, recurrent
 from rlray.envs import V1Env, load_envs
 from rlray.envs.images import vision_prompt
+from rlray.envs.tool_calls import v1_tool_format
 from rlray.envs.v1 import specs as v1_specs
 from rlray.models.catalog import read_config
 from rlray.models.multimodal import is_vision
@@ -131,7 +132,7 @@ class RolloutActor:
         parser = self.env_cfg.tool_call_parser
         if parser == "auto":
             parser = "rlray" if template == PLAIN_CHAT_TEMPLATE else None
-        envs = await self._load_envs(path, template, "rlray" if parser == "rlray" else None)
+        envs = await self._load_envs(path, template, v1_tool_format(parser))
         if self.cfg.gpus_per_actor == 0 and engine_workers(self.cfg) > 1:
             os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_binding(engine_workers(self.cfg)))
         self.engine = await Engine.create(path, max_model_len=self.cfg.max_model_len, seed=self.seed + self.index,

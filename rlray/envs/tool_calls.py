@@ -2,7 +2,10 @@
 character-level models (no brackets or quotes in their vocabulary) can write. Standard library only: vLLM's parser
 (rlray.envs.tool_parser) and the v1 renderer (rlray.envs.v1_render, in the verifiers 0.4 interpreter) use it.
 
-Contract: `parse_call(text, tools)` is (name, arguments) when `text`, stripped, is exactly `name(...)` with `name`
+Contract: `v1_tool_format(vllm_parser)` is how a v1 harness's tool calls are parsed for the engine's tool format:
+"rlray" for this one, the name of renderers' parser of the same format as vLLM's `vllm_parser`
+(`RENDERER_TOOL_PARSERS`), or None (none: a v1 request with tools is then refused by verifiers' TrainClient).
+`parse_call(text, tools)` is (name, arguments) when `text`, stripped, is exactly `name(...)` with `name`
 one of `tools`, else None; the comma-separated arguments fill the tool's parameters in schema order (strings, or
 numbers where the schema says integer/number), a comma inside the last argument belonging to it.
 """
@@ -12,7 +15,16 @@ from __future__ import annotations
 import re
 from typing import Any
 
+RENDERER_TOOL_PARSERS = {  # vLLM's --tool-call-parser -> renderers' tool_parser of the same format (renderers 0.1.12)
+    "hermes": "qwen3", "qwen3_xml": "qwen3.5", "qwen3_coder": "qwen3.5", "glm45": "glm", "glm47": "glm",
+    "deepseek_v3": "deepseek-v3", "deepseek_v31": "deepseek-v3"}
 CALL = re.compile(r"^([a-z][a-z0-9]*)\((.*)\)$", re.DOTALL)
+
+
+def v1_tool_format(vllm_parser: str | None) -> str | None:
+    if vllm_parser == "rlray":
+        return "rlray"
+    return RENDERER_TOOL_PARSERS.get(vllm_parser or "")
 
 
 def _schema(tool: Any) -> tuple[str, dict]:

@@ -11,7 +11,8 @@ Contract:
   spec: module, args, eval_args, harness, harness_args, runtime, sandbox, max_turns, timeout_s); `tokenizer` is the served model's
   tokenizer folder and `chat_template` the template the engine serves with (the renderer renders
   prompts with it, so the ids the TrainClient sends are the ids the engine's chat route would build);
-  `tool_format` "rlray" when tool calls are written as that template's `name(args)` (rlray.envs.v1_render).
+  `tool_format` "rlray" when tool calls are written as that template's `name(args)` (rlray.envs.v1_render), or
+  the name of renderers' tool parser for the model's format (rlray.envs.tool_calls.v1_tool_format), or None.
 - `describe() -> {env id: {"train": rows, "eval": rows, "harness": ..., "sandboxed": ...}}`: loads every env once (off the loop, whose
   interception servers answer the harnesses; a harness its runtime cannot host fails here, as verifiers'
   own `validate_pairing` says) and returns every task's data (`TaskData.model_dump`, JSON types, fields
@@ -286,8 +287,9 @@ class V1EnvActor:
 
         from rlray.envs.v1_render import IMPORT_PATH
 
-        renderer = CustomRendererConfig(import_path=IMPORT_PATH, chat_template=self.chat_template,
-                                        tool_format=self.tool_format)
+        tools = {"tool_format": "rlray"} if self.tool_format == "rlray" else (
+            {"tool_parser": self.tool_format} if self.tool_format else {})  # renderers' own parser of that name
+        renderer = CustomRendererConfig(import_path=IMPORT_PATH, chat_template=self.chat_template, **tools)
         client = vf.TrainClientConfig(base_url=base_url, api_key_var=API_KEY_VAR, renderer_model_name=self.tokenizer,
                                       renderer=renderer)
         return vf.ModelContext(model=model, client=client, sampling=vf.SamplingConfig(**sampling))

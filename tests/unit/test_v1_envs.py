@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from transformers import PreTrainedTokenizerFast
 
 from rlray.config import EnvConfig, EnvSpec
 from rlray.config.schema import SandboxConfig
@@ -203,6 +204,12 @@ reply = calls.parse_response(tok("bash(sed -i s,-,+, f.py)", add_special_tokens=
 plain = calls.parse_response(tok("done", add_special_tokens=False)["input_ids"], tools=[bash])
 out.update(tools=[renderer.supports_tools, calls.supports_tools],
            call=[(c.name, c.arguments, c.status.value) for c in reply.tool_calls], plain=[plain.content, plain.tool_calls])
+btok = AutoTokenizer.from_pretrained(args["bytes"])  # a model whose template writes hermes-style tool calls
+hermes = create_renderer(btok, CustomRendererConfig(import_path=IMPORT_PATH, chat_template=args["template"],
+                                                    tool_parser="qwen3"))
+text = '<tool_call>{"name": "bash", "arguments": {"command": "ls -la"}}</tool_call>'
+reply = hermes.parse_response(btok(text, add_special_tokens=False)["input_ids"], tools=[bash])
+out["hermes"] = [hermes.supports_tools, [(c.name, c.arguments) for c in reply.tool_calls]]
 print(json.dumps(out))
 '''
 
@@ -215,11 +222,14 @@ def test_the_v1_interpreter_has_the_renderers_api_rlray_adapts(tmp_path) -> None
     from rlray.actors.server import PLAIN_CHAT_TEMPLATE
     from rlray.data.tokenizer import char_tokenizer
     from rlray.envs.base import render_prompt
+    from rlray.envs.tool_calls import v1_tool_format
 
     tok = char_tokenizer()
     tok.save_pretrained(tmp_path / "tok")
+    byte_tokenizer().save_pretrained(tmp_path / "bytes")
     completion = [*tok("cb", add_special_tokens=False)["input_ids"], tok.bos_token_id, tok.eos_token_id]
-    args = {"tokenizer": str(tmp_path / "tok"), "template": PLAIN_CHAT_TEMPLATE, "completion": completion}
+    args = {"tokenizer": str(tmp_path / "tok"), "bytes": str(tmp_path / "bytes"), "template": PLAIN_CHAT_TEMPLATE,
+            "completion": completion}
     python = v1.python(EnvConfig())
     done = subprocess.run([python, "-c", textwrap.dedent(ADAPTER_CHECK), json.dumps(args)], capture_output=True,
                           text=True, timeout=300, cwd=v1.REPO)
@@ -234,6 +244,22 @@ def test_the_v1_interpreter_has_the_renderers_api_rlray_adapts(tmp_path) -> None
     # template's `name(args)` calls parsed with tool_format=rlray, a plain reply left as content
     assert out["tools"] == [False, True]
     assert out["call"] == [["bash", {"command": "sed -i s,-,+, f.py"}, "ok"]] and out["plain"] == ["done", []]
+    # a real model's format: vLLM's parser named, renderers' parser of that format parses the v1 harness's calls
+    assert [v1_tool_format(p) for p in ("rlray", "hermes", "qwen3_coder", "glm45", "llama3_json", None)] == \
+        ["rlray", "qwen3", "qwen3.5", "glm", None, None]
+    assert out["hermes"] == [True, [["bash", {"command": "ls -la"}]]], out["hermes"]
+
+
+def byte_tokenizer() -> PreTrainedTokenizerFast:
+    """A byte-level tokenizer (every text encodes) with hermes' tool-call tokens, built offline."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok)
+    fast.add_special_tokens({"eos_token": "<|im_end|>", "additional_special_tokens": ["<tool_call>", "</tool_call>"]})
+    return fast
 
 
 def test_a_sessions_later_turns_sample_with_their_own_seed_within_the_context_left() -> None:
