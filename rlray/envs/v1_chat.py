@@ -42,8 +42,9 @@ class ChatHarness(vf.Harness[ChatHarnessConfig]):
             messages.append({"role": "user", "content": prompt})
         elif prompt is not None:
             messages.extend(message_to_wire(m) for m in prompt)
-        reply = await _http().post(f"{endpoint.rstrip('/')}/chat/completions", json={"model": ctx.model, "messages": messages},
-                                   headers={"Authorization": f"Bearer {secret}"})
+        reply = await http_client().post(f"{endpoint.rstrip('/')}/chat/completions",
+                                         json={"model": ctx.model, "messages": messages},
+                                         headers={"Authorization": f"Bearer {secret}"})
         reply.raise_for_status()  # a failed model call: the interception has recorded it on the trace
         text = reply.json()["choices"][0]["message"].get("content") or ""
         return vf.ProgramResult(exit_code=0, stdout=text, stderr="")
@@ -52,7 +53,7 @@ class ChatHarness(vf.Harness[ChatHarnessConfig]):
 _client: httpx.AsyncClient | None = None
 
 
-def _http() -> httpx.AsyncClient:
+def http_client() -> httpx.AsyncClient:
     """One HTTP client for every turn of the actor's episodes (a client per turn would build an SSL context per
     turn: measured, most of the env actor's CPU). No timeout of its own: the interception answers from this
     event loop, busy with every other episode, and the episode's timeouts (env.rollout_timeout_s) bound a turn."""

@@ -24,7 +24,7 @@ from verifiers.v1.dialects.chat import message_to_wire
 from verifiers.v1.harnesses.bash.harness import BASH_SYSTEM_PROMPT, EDIT_SYSTEM_PROMPT
 from verifiers.v1.harnesses.utils.core import BASH_TOOL, EDIT_TOOL
 
-from rlray.envs.v1_chat import _http
+from rlray.envs.v1_chat import http_client
 
 HARNESS_ID = "rlray_bash"
 TIMED_OUT = 124  # rlray.envs.v1_sandbox's exit code for a command killed at its wall time (timeout(1)'s)
@@ -55,7 +55,7 @@ class BashToolHarness(vf.Harness[BashToolHarnessConfig]):
         elif prompt is not None:
             messages.extend(message_to_wire(m) for m in prompt)
         while True:
-            reply = await _http().post(f"{endpoint.rstrip('/')}/chat/completions",
+            reply = await http_client().post(f"{endpoint.rstrip('/')}/chat/completions",
                                        json={"model": ctx.model, "messages": messages, "tools": [BASH_TOOL]},
                                        headers={"Authorization": f"Bearer {secret}"})
             if reply.status_code >= 400 and trace.stop_condition:
