@@ -56,8 +56,8 @@ class BashToolHarness(vf.Harness[BashToolHarnessConfig]):
             messages.extend(message_to_wire(m) for m in prompt)
         while True:
             reply = await http_client().post(f"{endpoint.rstrip('/')}/chat/completions",
-                                       json={"model": ctx.model, "messages": messages, "tools": [BASH_TOOL]},
-                                       headers={"Authorization": f"Bearer {secret}"})
+                                             json={"model": ctx.model, "messages": messages, "tools": [BASH_TOOL]},
+                                             headers={"Authorization": f"Bearer {secret}"})
             if reply.status_code >= 400 and trace.stop_condition:
                 break  # a limit refused the turn: the episode ends here, as verifiers' own harnesses do
             reply.raise_for_status()  # a failed model call: the interception has recorded it on the trace
