@@ -17,6 +17,7 @@ Imported only inside the verifiers 0.4 interpreter of a v1 env actor.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import verifiers.v1 as vf
@@ -71,8 +72,6 @@ class BashToolHarness(vf.Harness[BashToolHarnessConfig]):
         return vf.ProgramResult(exit_code=0, stdout="", stderr="")
 
     async def _run(self, runtime: Any, function: dict[str, Any]) -> str:
-        import json
-
         if function.get("name") != "bash":
             return f"error: unknown tool {function.get('name')!r}"
         try:
