@@ -33,7 +33,8 @@ Contract:
   (examples i, i+A, ... of each environment's eval split) and returns per-example records.
 - The weight calls, `evaluate` and `score` on a dead engine raise `EngineFailed` too (an
   evaluation over HTTP would otherwise return every sample as a reward-0 error).
-- `stats()` returns counters: groups, tokens, rollouts by path, errors by kind, the last error
+- `stats()` returns counters: groups, tokens, rollouts by path, errors by kind, the last error (a failed group's),
+  failed rollouts and the last one's error
   and why the engine can serve no more (`failure`, None while it can); `pid()` the actor's process id.
 """
 
@@ -110,7 +111,8 @@ class RolloutActor:
         self.last_error: str | None = None
         self.failed_in_a_row = 0  # groups the engine failed since its last good one
         self.failure: str | None = None  # why the engine can serve no more, once it cannot
-        self.stats_ = {"groups": 0, "completion_tokens": 0, "errors": 0, "gen_seconds": 0.0}
+        self.stats_ = {"groups": 0, "completion_tokens": 0, "errors": 0, "gen_seconds": 0.0, "failed_rollouts": 0}
+        self.last_rollout_error: str | None = None
 
     async def start(self) -> dict[str, Any]:
         from transformers import AutoTokenizer
@@ -228,6 +230,10 @@ class RolloutActor:
         if self.engine.death() is not None:  # over HTTP a dead engine's rollouts are reward-0 errors
             return None
         self.failed_in_a_row = 0
+        failed = [r.error for r in rollouts if r.error]
+        if failed:  # for the driver's message when no group is trainable (every rollout of every group failed)
+            self.stats_["failed_rollouts"] += len(failed)
+            self.last_rollout_error = " ".join(failed[-1].split())[:300]
         self.stats_["gen_seconds"] += time.perf_counter() - t0
         self.stats_["groups"] += 1
         self.stats_["completion_tokens"] += sum(len(r.completion_ids) for r in rollouts)
@@ -277,7 +283,8 @@ class RolloutActor:
             self._check_engine()
         runner = getattr(self, "runner", None)  # set once `start` has the engine up
         return {**self.stats_, **({f"env/{k}": v for k, v in runner.counts.items()} if runner else {}),
-                "last_error": self.last_error, "failure": self.failure, "version": self.version,
+                "last_error": self.last_error, "last_rollout_error": self.last_rollout_error,
+                "failure": self.failure, "version": self.version,
                 "loading": self.loading, "started": runner is not None}
 
     async def pid(self) -> int:

@@ -280,7 +280,7 @@ class SandboxConfig:
     disk_mb: int = 512  # the episode's files in all (checked after each command)
     keep_failed: bool = False  # keep a failed episode's folder (~/.cache/rlray/sandbox/<trace>) for a look
     # commands running at once per v1 env actor, the others waiting their turn (before their wall time starts);
-    # 0: as many as half the node's memory holds at memory_mb each (rlray.envs.sandbox.max_running)
+    # 0: as many as half the node's memory holds at memory_mb each, at most 4 per core (rlray.envs.sandbox)
     max_running: int = 0
 
     def __post_init__(self) -> None:

@@ -19,7 +19,8 @@ Contract:
 - `Cgroup.create(name, limits)`: the episode's cgroup, or None where none is writable; `attach()` (in a child before
   exec), `kill()`, `remove()`.
 - `max_running(memory_mb, given)`: how many commands a process runs in sandboxes at once: `given`, or when 0 as many
-  as half this node's memory (MemTotal) holds at `memory_mb` each (at least 1).
+  as half this node's memory (MemTotal) holds at `memory_mb` each, at most `PER_CORE` per core of this process's
+  (at least 1): more would starve each other's CPU until all of them ran past their wall time.
 - `probe()`: None when bwrap runs here with the namespaces above, else one line naming the fix.
 - `sweep(root)`: removes the sandboxes under `root` whose owning process is gone (killed before its teardown).
 """
@@ -46,6 +47,7 @@ ETC = ("ld.so.cache", "ld.so.conf", "ld.so.conf.d", "alternatives", "ssl", "ca-c
        "localtime", "nsswitch.conf", "mime.types")
 PATH = "/usr/local/bin:/usr/bin:/bin"
 CGROUP = Path("/sys/fs/cgroup")
+PER_CORE = 4  # sandboxed commands at once per core by default (verifiers' bash program: ~0.8 CPU-s to start)
 
 
 @dataclass(frozen=True)
@@ -68,8 +70,12 @@ def node_memory_mb() -> int:
         return int(next(line.split()[1] for line in f if line.startswith("MemTotal:"))) >> 10
 
 
+def cores() -> int:
+    return len(os.sched_getaffinity(0))
+
+
 def max_running(memory_mb: int, given: int = 0) -> int:
-    return given if given > 0 else max(1, node_memory_mb() // 2 // memory_mb)
+    return given if given > 0 else max(1, min(node_memory_mb() // 2 // memory_mb, PER_CORE * cores()))
 
 
 def _passwd() -> bytes:

@@ -208,11 +208,12 @@ def console_line(envs: list, env: Any) -> str | None:
 
 def sandbox_line(box: dict[str, Any]) -> str:
     """How many sandboxed commands each v1 env actor runs at once, and what bounds each (rlray.envs.sandbox)."""
-    from rlray.envs.sandbox import max_running, node_memory_mb
+    from rlray.envs.sandbox import PER_CORE, cores, max_running, node_memory_mb
 
     n = max_running(box["memory_mb"], box["max_running"])
     how = ("env.v1.sandbox.max_running" if box["max_running"] else
-           f"half of this node's {node_memory_mb() / 1024:.0f} GB at env.v1.sandbox.memory_mb={box['memory_mb']}")
+           f"half of this node's {node_memory_mb() / 1024:.0f} GB at env.v1.sandbox.memory_mb={box['memory_mb']}, at "
+           f"most {PER_CORE} per core of {cores()}")
     return (f"sandbox: up to {n} commands at once per v1 env actor ({how}; the rest wait their turn), each within "
             f"{box['memory_mb']} MB, {box['nproc']} processes, {box['cpu_s']} CPU-s, {box['wall_s']:g} s, "
             f"{box['disk_mb']} MB of files, network {box['network']}")

@@ -327,12 +327,13 @@ class RolloutFleet:
         errors([r.shutdown_weight_transfer_engine.remote() for r in self.h.rollouts], timeout)
 
     def last_errors(self) -> dict[str, str | None]:
-        """Each actor's engine failure or last failed group (or that it did not answer within 10 s)."""
+        """Each actor's engine failure or last failed group, else its failed rollouts and the last one's error (or
+        that it did not answer within 10 s)."""
         refs = [r.stats.remote() for r in self.h.rollouts]
         failed = errors(refs, 10.0)
         stats = [{} if i in failed else ray.get(ref) for i, ref in enumerate(refs)]
         return {name: (f"did not answer ({one_line(failed[i])})" if i in failed
-                       else stats[i]["failure"] or stats[i]["last_error"])
+                       else stats[i]["failure"] or stats[i]["last_error"] or _rollouts_failed(stats[i]))
                 for i, name in enumerate(self.names())}
 
     # ---- evaluation -------------------------------------------------------------------
@@ -438,3 +439,9 @@ class RolloutFleet:
         self.open()
         print(f"{', '.join(self.names()[i] for i in sorted(lost))} started in {time.perf_counter() - t0:.1f}s "
               f"({self.restarts} of rollout.max_restarts={c.rollout.max_restarts} used)", flush=True)
+
+
+def _rollouts_failed(stats: dict[str, Any]) -> str | None:
+    if not stats.get("failed_rollouts"):
+        return None
+    return f"no failed group, {stats['failed_rollouts']} failed rollouts, the last: {stats['last_rollout_error']}"
