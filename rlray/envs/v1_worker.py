@@ -13,13 +13,13 @@ Contract:
   prompts with it, so the ids the TrainClient sends are the ids the engine's chat route would build);
   `tool_format` "rlray" when tool calls are written as that template's `name(args)` (rlray.envs.v1_render), or
   the name of renderers' tool parser for the model's format (rlray.envs.tool_calls.v1_tool_format), or None.
-- `describe() -> {env id: {"train": rows, "eval": rows, "harness": ..., "sandboxed": ...}}`: loads every env once (off the loop, whose
-  interception servers answer the harnesses; a harness its runtime cannot host fails here, as verifiers'
-  own `validate_pairing` says) and returns every task's data (`TaskData.model_dump`, JSON types, fields
-  at their defaults left out, at most `max_tasks`) of the taskset loaded with `args` (train) and with
-  `args` + `eval_args` (eval; `split: eval` too when the taskset config has a `split` field), and the system
-  prompt and tools a bash-like harness adds (rlray.envs.v1_tools.preamble; None for others) and whether the env's
-  episodes run in the sandbox.
+- `describe() -> {env id: {"train": rows, "eval": rows, "harness": ..., "sandboxed": ...}}`: loads every env once
+  (off the event loop, whose interception servers answer the harnesses; a harness its runtime cannot host fails
+  here, as verifiers' own `validate_pairing` says) and returns every task's data (`TaskData.model_dump`, JSON
+  types, fields at their defaults left out, at most `max_tasks`) of the taskset loaded with `args` (train) and
+  with `args` + `eval_args` (eval; `split: eval` too when the taskset config has a `split` field), the system
+  prompt and tools a bash-like harness adds (rlray.envs.v1_tools.preamble; None for others) and whether the
+  env's episodes run in the sandbox.
 - `group(env_id, split, index, base_url, model, sampling) -> list[dict]`: one episode per entry of
   `sampling` (each its own sampling args, a seed among them) of task `index` (modulo the split's size),
   run with verifiers' own `Env.run_slot` and a `TrainClient` on the rollout actor's endpoint `base_url`.
