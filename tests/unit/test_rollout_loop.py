@@ -48,7 +48,7 @@ class FakeRunner:
             self.engine.dead = "EngineDeadError: gone"  # over HTTP its rollouts come back as errors
         if self.fails(i):
             raise ValueError(f"group {i} failed")
-        return [SimpleNamespace(completion_ids=[1, 2])] * n
+        return [SimpleNamespace(completion_ids=[1, 2], error=None)] * n
 
 
 class FakeBuffer:
