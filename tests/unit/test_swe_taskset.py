@@ -31,6 +31,7 @@ from rlray.envs import v1
 
 ROOT = Path(__file__).resolve().parents[2]
 BASH_SYSTEM = "You are a coding agent. You have access to a bash tool for running shell commands."  # verifiers 0.4's
+WALL_S = 10  # the sandbox's per command here: a loaded CI machine's Python starts well within it
 needs_bwrap = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed (make test "
                                  "installs it as root: apt-get install bubblewrap)")
 
@@ -90,7 +91,7 @@ async def main():
     wrong = fix.replace(f",{a}{right_op}{b},", f",{a}{other}{b},")
     hang = f"printf 'while 1:\\n    pass\\n' > {data.file}.py"
     out = {"data": [data.file, data.source, data.tests, fix, wrong]}
-    for kind, config in (("sandbox", BwrapConfig(wall_s=3)), ("subprocess", SubprocessConfig())):
+    for kind, config in (("sandbox", BwrapConfig(wall_s=args["wall_s"])), ("subprocess", SubprocessConfig())):
         if kind not in args["kinds"]:
             continue
         tried = {"as given": None, "fixed": fix, "fixed wrongly": wrong} if args["score"] else {}
@@ -137,7 +138,7 @@ def test_a_process_runs_at_most_max_running_sandboxed_commands_at_once() -> None
 
 
 def run_check(refuse: bool = False, command: str = "hostname", kinds: tuple = ("sandbox", "subprocess")) -> dict:
-    args = {"marker": uuid.uuid4().hex[:8], "refuse": refuse, "command": command, "kinds": kinds,
+    args = {"marker": uuid.uuid4().hex[:8], "refuse": refuse, "command": command, "kinds": kinds, "wall_s": WALL_S,
             "score": not refuse and command == "hostname"}
     done = subprocess.run([v1.python(EnvConfig()), "-c", TASK_CHECK, json.dumps(args)],
                           capture_output=True, text=True, timeout=300, cwd=ROOT)
@@ -154,7 +155,7 @@ def test_hidden_tests_score_the_repository_in_the_sandbox_and_rlray_bash_runs_to
         scores = {what: reward for what, (reward, _) in out[kind].items()}
         assert scores["as given"] == 0.0 and scores["fixed"] == 1.0 and scores["fixed wrongly"] == 0.0, (kind, out)
     hung, seconds = out["sandbox"]["hangs"]  # not a 0 the policy earned: a scoring error (rlray counts RewardError)
-    assert hung.startswith("RuntimeError: the hidden tests did not finish (exit 124)") and seconds < 3 + 10, hung
+    assert hung.startswith("RuntimeError: the hidden tests did not finish (exit 124)") and seconds < WALL_S + 30, hung
     for kind, host in (("sandbox", "rlray-sandbox"), ("subprocess", socket.gethostname())):
         reply, sent, system, tools, last = out[kind + " episode"]
         assert reply == "done" and system.startswith(BASH_SYSTEM) and tools == ["bash"], out[kind + " episode"]
@@ -168,7 +169,7 @@ def test_rlray_bash_ends_at_a_refused_turn_and_raises_for_a_tool_call_past_the_w
     for kind in ("sandbox", "subprocess"):
         reply, sent, *_ = out[kind + " episode"]
         assert reply == "" and len(sent) == 2, out[kind + " episode"]
-    raised, why = run_check(command="sleep 100", kinds=("sandbox",))["sandbox episode"]  # the sandbox's wall time is 3 s here
+    raised, why = run_check(command="sleep 100", kinds=("sandbox",))["sandbox episode"]  # past WALL_S
     assert raised == "raised" and why.startswith("ToolTimeout: tool call bash(sleep 100) ran past"), why
 
 
