@@ -146,7 +146,7 @@ def test_escapes_fail_in_the_sandbox_and_succeed_unsandboxed_and_runaways_end_at
 NON_ROOT = r'''
 import json, os, signal, subprocess, sys, time
 from pathlib import Path
-from rlray.envs.sandbox import Limits, Sandbox
+from sandbox import Limits, Sandbox  # rlray/envs/sandbox.py, copied where this user can read it
 
 root, home = Path(sys.argv[1]), sys.argv[2]
 box = Sandbox(root, Limits(nproc=32, memory_mb=256))
@@ -172,9 +172,14 @@ def test_as_a_user_other_than_root_the_rlimits_hold(host) -> None:
     if os.geteuid() != 0 or shutil.which("setpriv") is None:
         pytest.skip("needs root to run the check as another user (setpriv)")
     root = Path(tempfile.mkdtemp(prefix="rlray-sandbox-", dir="/tmp"))  # pytest's folders are root's alone
-    os.chown(root, 65534, 65534)
+    lib = root / "lib"  # the checkout may be unreadable to that user (a clone in a 0700 folder): its two stdlib files
+    lib.mkdir()
+    for name in ("sandbox.py", "sandbox_launch.py"):
+        shutil.copy(ROOT / "rlray" / "envs" / name, lib / name)
+    for path in (root, lib, *lib.iterdir()):
+        os.chown(path, 65534, 65534)
     command = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "/usr/bin/python3", "-I", "-c",
-               f"import sys; sys.path.insert(0, {str(ROOT)!r})\n" + NON_ROOT, str(root / "box"), host["home"]]
+               f"import sys; sys.path.insert(0, {str(lib)!r})\n" + NON_ROOT, str(root / "box"), host["home"]]
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=120, env={"PATH": "/usr/bin:/bin"})
     finally:
