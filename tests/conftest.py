@@ -1,5 +1,12 @@
 """Shared test settings: wandb never goes online from a test; Ray's dashboard gets the time a
-loaded 2-core machine needs to start.
+loaded 2-core machine needs to start; how `make test`'s two pytest-xdist workers share the suite.
+
+The suite's processes leave about 40% of two cores idle (waiting on each other: actors starting,
+syncs, engines stepping; measured on test_replace.py: 1.22 busy cores), so `make test` runs two
+workers. One takes the whole Ray tier first (its files share one session cluster and its runs are
+the suite's longest); the other every other file, one file at a time (a file's engines and
+module fixtures are built once), the real Slurm cluster and the engine tier first, the unit tier
+last to fill in whichever worker ends first.
 
 Ray's dashboard waits 30 s for each of its 9 module processes and `ray start`/`ray.init` 60 s for
 the dashboard; a module that misses its 30 s kills the dashboard, and with it `ray start --block`
@@ -11,7 +18,36 @@ test starts inherits these from the environment (sbatch and srun pass it on).
 
 import os
 
+import pytest
+
 os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("RAY_DASHBOARD_SUBPROCESS_MODULE_WAIT_READY_TIMEOUT", "300")
 os.environ.setdefault("RAY_DASHBOARD_STARTUP_TIMEOUT_S", "600")
+
+
+# Units of work for the xdist scheduler, in the order they are handed out (the rest keep pytest's order).
+RAY_TIER = "tests/ray/"
+FIRST = (RAY_TIER, "tests/deploy/test_slurm_cluster.py", "tests/engine/", "tests/dist/", "tests/deploy/", "tests/bench/")
+
+
+def _rank(nodeid: str) -> int:
+    return next((i for i, prefix in enumerate(FIRST) if nodeid.startswith(prefix)), len(FIRST))
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # the scheduler hands work out in each worker's collection order
+        items.sort(key=lambda item: _rank(item.nodeid))
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByFile(LoadScopeScheduling):
+        """One unit per test file, and one for the whole Ray tier."""
+
+        def _split_scope(self, nodeid: str) -> str:
+            return RAY_TIER if nodeid.startswith(RAY_TIER) else nodeid.split("::", 1)[0]
+
+    config.option.loadscopereorder = False  # xdist would order the units by their number of tests
+    return ByFile(config, log)

@@ -90,24 +90,28 @@ def connect(cfg: ClusterConfig, verbose: bool = False, python_path: Sequence[str
     logging.getLogger("ray._private.runtime_env.packaging").setLevel(logging.WARNING)  # a line per module shipped
     address = cfg.address or os.environ.get("RAY_ADDRESS")
     if address:
-        ray.init(address=address, runtime_env=env, log_to_driver=verbose)
-        return
-    import torch
+        context = ray.init(address=address, runtime_env=env, log_to_driver=verbose)
+    else:
+        import torch
 
-    gpus = torch.cuda.device_count() if cfg.num_gpus is None else cfg.num_gpus  # checked <= torch's by rlray.orchestration.plan
-    ray.init(address="local", num_cpus=cfg.num_cpus, num_gpus=gpus, include_dashboard=True,
-             dashboard_host=cfg.dashboard_host, _node_ip_address="127.0.0.1", runtime_env=env,
-             log_to_driver=verbose)
+        gpus = torch.cuda.device_count() if cfg.num_gpus is None else cfg.num_gpus  # checked <= torch's by plan
+        context = ray.init(address="local", num_cpus=cfg.num_cpus, num_gpus=gpus, include_dashboard=True,
+                           dashboard_host=cfg.dashboard_host, _node_ip_address="127.0.0.1", runtime_env=env,
+                           log_to_driver=verbose)
+    _SESSION_LOGS[0] = Path(context.address_info["session_dir"]) / "logs"
 
 
-SESSION_LOGS = Path("/tmp/ray/session_latest/logs")  # Ray's documented place for this node's session
+# This node's session logs. /tmp/ray/session_latest is whichever Ray session started last on the
+# machine (another run's, or a test's local cluster); `connect` records the session it joined.
+_SESSION_LOGS = [Path("/tmp/ray/session_latest/logs")]
 
 
 def collect_logs(dest: Path) -> int:
     """Copy this job's worker logs (every actor's stdout and stderr) on this node into `dest`;
     returns how many files. Actors on other nodes keep theirs in those nodes' session logs."""
     job = ray.get_runtime_context().get_job_id()
-    files = sorted(SESSION_LOGS.glob(f"worker-*-{job}-*.*")) if SESSION_LOGS.is_dir() else []
+    logs = _SESSION_LOGS[0]
+    files = sorted(logs.glob(f"worker-*-{job}-*.*")) if logs.is_dir() else []
     dest.mkdir(parents=True, exist_ok=True)
     for f in files:
         shutil.copyfile(f, dest / f.name)
