@@ -64,6 +64,8 @@ def actor(tmp_path_factory) -> Iterator[tuple[Any, LoopThread]]:
                          EnvSpec(FIX_NO_DISK, FIX_ARGS, 1.0, {**FIX_V1, "harness": "rlray_bash",
                                                               "sandbox": {"disk_mb": 1 << 40}})],
                     allow_biased_sampling=True, python_path=[str(folder)])
+    if ray.is_initialized():  # a Ray test's cluster (tests/ray/conftest.py) lacks this module's python_path
+        ray.shutdown()
     cluster.connect(ClusterConfig(), python_path=env.python_path)  # for the v1 env actor alone
     lt = LoopThread()
     a = RolloutActor(0, 1, c.model, c.rollout, env, seed=0, v1_spawner=cluster.v1_spawner(env))

@@ -1,10 +1,10 @@
-"""One local Ray cluster for the whole test session (started on first use), and tiny configs."""
+"""Each test process's local Ray cluster (started by the first test that asks, kept for the next), and tiny configs."""
 
 from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -45,15 +45,14 @@ def tiny_config(tmp_path, *overrides: str, **sections: dict[str, Any]) -> Config
     return c
 
 
-@pytest.fixture(scope="session")
-def ray_cluster() -> Iterator[None]:
-    import ray
-
+@pytest.fixture
+def ray_cluster() -> None:
+    """This process's local Ray cluster: started by the first test that asks, kept for the next ones (Ray
+    shuts it down at exit), started again after a test module that needed a cluster of its own shut it
+    down (tests/engine/test_env_runner.py)."""
     from rlray.orchestration import cluster
 
     cluster.connect(ClusterConfig())
-    yield
-    ray.shutdown()
 
 
 def named_actor_exists(name: str) -> bool:
