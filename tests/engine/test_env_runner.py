@@ -64,7 +64,8 @@ def actor(tmp_path_factory) -> Iterator[tuple[Any, LoopThread]]:
                          EnvSpec(FIX_NO_DISK, FIX_ARGS, 1.0, {**FIX_V1, "harness": "rlray_bash",
                                                               "sandbox": {"disk_mb": 1 << 40}})],
                     allow_biased_sampling=True, python_path=[str(folder)])
-    if ray.is_initialized():  # a Ray test's cluster (tests/ray/conftest.py) lacks this module's python_path
+    shared = ray.is_initialized()  # a Ray test's cluster (tests/ray/conftest.py): it lacks this module's python_path
+    if shared:
         ray.shutdown()
     cluster.connect(ClusterConfig(), python_path=env.python_path)  # for the v1 env actor alone
     lt = LoopThread()
@@ -74,6 +75,8 @@ def actor(tmp_path_factory) -> Iterator[tuple[Any, LoopThread]]:
     lt.run(a.shutdown(), timeout=60)
     lt.close()
     ray.shutdown()
+    if shared:  # for the Ray tests this process runs next
+        cluster.connect(ClusterConfig())
 
 
 def runs(mask: np.ndarray) -> list[tuple[int, int, int]]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -45,14 +45,17 @@ def tiny_config(tmp_path, *overrides: str, **sections: dict[str, Any]) -> Config
     return c
 
 
-@pytest.fixture
-def ray_cluster() -> None:
-    """This process's local Ray cluster: started by the first test that asks, kept for the next ones (Ray
-    shuts it down at exit), started again after a test module that needed a cluster of its own shut it
-    down (tests/engine/test_env_runner.py)."""
+@pytest.fixture(scope="session")
+def ray_cluster() -> Iterator[None]:
+    """This process's local Ray cluster, started by the first test that asks (a test module that needs a cluster
+    of its own, tests/engine/test_env_runner.py, shuts this one down and starts it again after)."""
+    import ray
+
     from rlray.orchestration import cluster
 
     cluster.connect(ClusterConfig())
+    yield
+    ray.shutdown()
 
 
 def named_actor_exists(name: str) -> bool:
