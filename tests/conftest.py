@@ -3,10 +3,11 @@ loaded 2-core machine needs to start; how `make test`'s two pytest-xdist workers
 
 The suite's processes left about 40% of two cores idle run one after another (waiting on each
 other: actors starting, syncs, engines stepping; 1.22 busy cores over test_replace.py), so `make
-test` runs two workers. Each test file is one unit of work (its module fixtures, engines and
-twins are built once), handed out longest first (the longest files by name, then the Ray tier,
-the engine, dist, bench and deploy tiers), the unit tier last to fill in whichever worker ends
-first. A worker that runs a Ray test starts a local Ray cluster of its own (tests/ray/conftest.py).
+test` runs two workers. The Ray tier is one unit of work, handed out first: its files run in
+pytest's order on one local Ray cluster, as they did in one process (with every file a unit of its
+own, one Ray test's dashboard check listed an earlier run's removed placement groups). Every other
+file is a unit of its own (its module fixtures, engines and twins are built once), the real Slurm
+cluster and the engine tier first, the unit tier last to fill in whichever worker ends first.
 
 Ray's dashboard waits 30 s for each of its 9 module processes and `ray start`/`ray.init` 60 s for
 the dashboard; a module that misses its 30 s kills the dashboard, and with it `ray start --block`
@@ -26,9 +27,9 @@ os.environ.setdefault("RAY_DASHBOARD_SUBPROCESS_MODULE_WAIT_READY_TIMEOUT", "300
 os.environ.setdefault("RAY_DASHBOARD_STARTUP_TIMEOUT_S", "600")
 
 
-# The order in which test files are handed to the workers (longest first; the rest in pytest's order).
-FIRST = ("tests/ray/test_default_recipe.py", "tests/ray/test_resume.py", "tests/deploy/test_slurm_cluster.py",
-         "tests/engine/test_hybrids.py", "tests/ray/", "tests/engine/", "tests/dist/", "tests/bench/", "tests/deploy/")
+# Units of work in the order they are handed out (the rest keep pytest's order).
+RAY_TIER = "tests/ray/"
+FIRST = (RAY_TIER, "tests/deploy/test_slurm_cluster.py", "tests/engine/", "tests/dist/", "tests/deploy/", "tests/bench/")
 
 
 def _rank(nodeid: str) -> int:
@@ -36,7 +37,7 @@ def _rank(nodeid: str) -> int:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if os.environ.get("PYTEST_XDIST_WORKER"):  # the scheduler hands files out in each worker's collection order
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # the scheduler hands work out in each worker's collection order
         items.sort(key=lambda item: _rank(item.nodeid))
 
 
@@ -45,10 +46,14 @@ class FileScheduling:
 
     @staticmethod
     def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
-        from xdist.scheduler import LoadFileScheduling
+        from xdist.scheduler import LoadScopeScheduling
 
-        config.option.loadscopereorder = False  # keep FIRST's order: xdist would sort files by their number of tests
-        return LoadFileScheduling(config, log)
+        class ByFile(LoadScopeScheduling):
+            def _split_scope(self, nodeid: str) -> str:
+                return RAY_TIER if nodeid.startswith(RAY_TIER) else nodeid.split("::", 1)[0]
+
+        config.option.loadscopereorder = False  # keep FIRST's order: xdist would sort units by their number of tests
+        return ByFile(config, log)
 
 
 def pytest_configure(config: pytest.Config) -> None:

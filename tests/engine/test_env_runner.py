@@ -35,7 +35,10 @@ FIX_BASH = "rlray_test_fix_op_bash"  # fix_op_v1 again, for verifiers' own bash 
 FIX_NO_DISK = "rlray_test_fix_op_no_disk"  # and with a sandbox that cannot start (more disk asked than any has)
 FIX_ARGS = {"num": 16}
 FIX_V1 = {"max_turns": 3, "sandbox": {"wall_s": 60}}
-FIX_WALL_S = 10  # rlray_bash's per tool call (verifiers' bash: the whole program is one command)
+FIX_WALL_S = 10  # rlray_bash's per tool call
+# verifiers' bash: the whole program is one command (0.7 CPU-s to start; the test's ten episodes took 10 s alone,
+# 56 s beside another test file on the two cores): its wall time only catches a hang
+FIX_BASH_WALL_S = 300
 
 @pytest.fixture(scope="module")
 def actor(tmp_path_factory) -> Iterator[tuple[Any, LoopThread]]:
@@ -59,8 +62,8 @@ def actor(tmp_path_factory) -> Iterator[tuple[Any, LoopThread]]:
                          EnvSpec("guess_number", {"max_turns": 4, "num_train": 64, "num_eval": 16}, 1.0),
                          EnvSpec(V1_GAME), EnvSpec("fix_op_v1", FIX_ARGS, 1.0, {**FIX_V1, "harness": "rlray_bash",
                                                                                 "sandbox": {"wall_s": FIX_WALL_S}}),
-                         EnvSpec(FIX_BASH, FIX_ARGS, 1.0, {**FIX_V1, "harness": "bash",
-                                                           "harness_args": {"edit": False}}),
+                         EnvSpec(FIX_BASH, FIX_ARGS, 1.0, {**FIX_V1, "harness": "bash", "harness_args": {"edit": False},
+                                                           "sandbox": {"wall_s": FIX_BASH_WALL_S}}),
                          EnvSpec(FIX_NO_DISK, FIX_ARGS, 1.0, {**FIX_V1, "harness": "rlray_bash",
                                                               "sandbox": {"disk_mb": 1 << 40}})],
                     allow_biased_sampling=True, python_path=[str(folder)])
