@@ -47,7 +47,7 @@ run: venv bwrap
 
 # The benchmarks' --quick runs that start vLLM engines (their paths are the engine and Ray tests')
 # stay out of CI's time: `make bench-smoke` runs them after a change to rlray/bench.
-# Two pytest-xdist workers: the Ray tier on one, the other files on the other (tests/conftest.py).
+# Two pytest-xdist workers (tests/conftest.py): the Ray tier is one unit of work, every other file one.
 test: venv v1env bwrap
 	$(BIN)/python -m pytest -x -q -rs --durations=40 -n 2 -m "not bench_engines" tests $(ARGS)
 
