@@ -26,7 +26,13 @@ $(BIN)/.installed: pyproject.toml requirements/verifiers.txt
 	$(BIN)/python -c "import torch, vllm, ray, hydra, verifiers, torchvision; assert torch.__version__.startswith('2.13.0'), torch.__version__"
 	touch $@
 
-venv: $(BIN)/.installed
+# RLRAY_CPU_ISA=<kind> makes every process of the venv choose kernels as a narrower CPU would
+# (rlray/models/cpu_isa.py); the engine tests run the ISA-dependent rows under it.
+$(BIN)/.cpu-isa: $(BIN)/.installed rlray/models/cpu_isa.py
+	$(BIN)/python -m rlray.models.cpu_isa
+	touch $@
+
+venv: $(BIN)/.installed $(BIN)/.cpu-isa
 
 # verifiers v1 (0.4) environments run in an interpreter of their own (rlray/envs/v1.py builds it: the
 # same Python and Ray, verifiers 0.4); `make run` builds it only when the run has a v1 env.

@@ -282,12 +282,20 @@ class Learner:
         return self.step(micro_batches, rl=False)
 
     @torch.no_grad()
-    def logprobs(self, token_ids: list[int], start: int, temperature: float = 1.0) -> list[float]:
+    def logprobs(self, token_ids: list[int], start: int, temperature: float = 1.0,
+                 routing: np.ndarray | None = None) -> list[float]:
+        """The policy's logprob of `token_ids[i]` for i >= start; with `routing` (the engine's experts of every
+        position, [T, MoE layers, top-k]) and `trainer.router_replay`, its routers replay them as in training."""
         self.model.eval()
         ones = np.ones((1, len(token_ids)), np.int64)
-        mb = MicroBatch(np.asarray([token_ids], np.int64), ones, *(np.zeros(ones.shape, np.float32),) * 3)
-        logp = self._token_logprobs(model_inputs(mb, self.device, self.cp), temperature)
+        mb = MicroBatch(np.asarray([token_ids], np.int64), ones, *(np.zeros(ones.shape, np.float32),) * 3,
+                        routing=None if routing is None else np.asarray(routing)[None])
+        t = model_inputs(mb, self.device, self.cp)
+        with self._routing(t):
+            logp = self._token_logprobs(t, temperature)
         self.model.reshard()
+        if self.replay:
+            self.replay[0].agreement()  # counted in the training forward only
         return logp[0, start:].tolist()
 
     def snapshot_reference(self) -> None:

@@ -111,8 +111,8 @@ class TrainerActor:
     def forward_backward(self, micro_batches: list[MicroBatch], rl: bool) -> dict[str, float]:
         return self.learner.forward_backward(micro_batches, rl)
 
-    def logprobs(self, token_ids: list[int], start: int, temperature: float = 1.0) -> list[float]:
-        return self.learner.logprobs(token_ids, start, temperature)
+    def logprobs(self, token_ids: list[int], start: int, temperature: float = 1.0, routing: Any = None) -> list[float]:
+        return self.learner.logprobs(token_ids, start, temperature, routing)
 
     def offload_optimizer(self, to_host: bool) -> int:
         """The optimizer state to host memory (while colocated engines generate) or back; bytes moved."""

