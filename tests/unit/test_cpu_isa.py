@@ -60,7 +60,7 @@ def test_vllm_loads_the_native_library_without_the_variable() -> None:
     assert out.returncode == 0, out.stderr[-2000:]
     amx, bf16, avx512, library, onednn, current, host = out.stdout.split()
     assert current == host and onednn == "None" and library == cpu_isa.LIBRARY.get(host, "_C_AVX2")
-    assert (amx, bf16) == (str(host == "amx"), str(host in ("amx", "avx512_bf16")))
+    assert (amx, bf16, avx512) == (str(host == "amx"), str(host in ("amx", "avx512_bf16")), str(host != "other"))
 
 
 @pytest.mark.parametrize("kind", cpu_isa.narrower(cpu_isa.host()))
