@@ -73,8 +73,9 @@ def test_distillation_from_the_default_runs_export(default_run, tmp_path) -> Non
     assert first.returncode == 0 and (teacher_dir / "hf" / "model.safetensors.index.json").is_file()
     run_dir = tmp_path / "run"
     cmd = [sys.executable, "-m", "rlray.launch", f"run.dir={run_dir}", "algo.loss=opd",
-           f"teacher.name={teacher_dir / 'hf'}", "algo.opd_reward_coef=0", "sft.max_steps=30", "rl.steps=40", "rl.eval_every=0",
-           "checkpoint.every=0", "checkpoint.export_hf=false", "teacher.max_restarts=1"]
+           f"teacher.name={teacher_dir / 'hf'}", "algo.opd_reward_coef=0", "sft.max_steps=30", "sft.eval_every=30",
+           "rl.steps=40", "rl.eval_every=0", "eval.num_examples=32", "checkpoint.every=0",
+           "checkpoint.export_hf=false", "teacher.max_restarts=1"]
     with (tmp_path / "stdout").open("w") as stdout, (tmp_path / "stderr").open("w") as stderr:
         proc = subprocess.Popen(cmd, stdout=stdout, stderr=stderr, text=True, cwd=tmp_path)
         try:
