@@ -37,7 +37,7 @@ while [[ $# -gt 0 && $1 == -* ]]; do
 done
 pids=()
 for ((i = 0; i < n; i++)); do
-  if [[ -n $out ]]; then "$@" > "${out//%t/$i}" 2>&1 & else "$@" & fi
+  if [[ -n $out ]]; then SLURM_PROCID=$i "$@" > "${out//%t/$i}" 2>&1 & else SLURM_PROCID=$i "$@" & fi
   pids+=("$!")
 done
 trap 'kill "${pids[@]}" 2>/dev/null; exit 143' TERM INT  # srun forwards signals to its tasks
@@ -50,7 +50,9 @@ exit 1
 FAKE_HOSTNAME = "#!/bin/bash\necho '10.1.2.3 fe80::1'\n"
 FAKE_SLEEP = "#!/bin/bash\nexec /bin/sleep 0.05\n"
 FAKE_RAY = r"""#!/bin/bash
-# ray stand-in: `start` joins a node (unless FAKE_JOIN=0 for workers) and blocks; `status` lists the
+# ray stand-in: `start` joins a node (unless FAKE_JOIN=0 for workers; a worker step's first FAKE_WORKER_FAILS
+# starts on each node exit 1, as Ray's 30 s for a raylet to register can run out on a loaded node) and blocks;
+# `status` lists the
 # joined nodes as Ray 2.60 prints them; `job submit` exits FAKE_JOB_RC. Every call goes to calls.jsonl.
 record() {
   python3 - "$@" <<'EOF' >> "$FAKE_STATE/calls.jsonl"
@@ -67,6 +69,10 @@ case "$1 $2" in
     if [[ ${FAKE_HEAD_DIES:-0} == 1 ]]; then echo "ERROR services.py -- Failed to start the dashboard"; exit 1; fi
     echo head >> "$FAKE_STATE/nodes"; exec /bin/sleep 60 ;;
   start\ --address=*)
+    echo start >> "$FAKE_STATE/worker-starts-$SLURM_PROCID"
+    if (( $(wc -l < "$FAKE_STATE/worker-starts-$SLURM_PROCID") <= ${FAKE_WORKER_FAILS:-0} )); then
+      record "$@"; echo "Exception: The current node timed out during startup."; exit 1
+    fi
     if [[ ${FAKE_JOIN:-1} == 1 ]]; then echo worker >> "$FAKE_STATE/nodes"; fi
     record "$@"; exec /bin/sleep 60 ;;
   "status --address")
@@ -217,11 +223,27 @@ def test_nodes_that_never_join_time_out_before_submitting(fake_slurm) -> None:
 
 
 def test_a_ray_start_that_dies_fails_the_job_with_its_log(fake_slurm) -> None:
-    proc = fake_slurm(FAKE_HEAD_DIES="1")
+    proc = fake_slurm(FAKE_HEAD_DIES="1", RAY_START_TRIES="2")
     assert proc.returncode == 1
     assert "a ray start step exited early" in proc.stderr and "Failed to start the dashboard" in proc.stderr, proc.stderr
+    assert "starting it again (try 2 of RAY_START_TRIES=2)" in proc.stderr, proc.stderr  # the head log's tail
+    assert sum(c["argv"][:2] == ["start", "--head"] for c in fake_slurm.calls()) == 2  # then the job fails
     assert (fake_slurm.run_dir / "ray-head.log").is_file()
     assert not any(c["argv"][:2] == ["job", "submit"] for c in fake_slurm.calls())
+
+
+def test_a_node_whose_ray_start_exits_early_starts_it_again(fake_slurm) -> None:
+    """The real Slurm test's requeued job once lost its worker this way on a loaded machine (Ray's raylet did not
+    register within Ray's fixed 30 s): each node's `ray start` is started again, and the job runs."""
+    proc = fake_slurm(FAKE_WORKER_FAILS="1")
+    assert proc.returncode == 0, proc.stderr
+    assert "all 3 node(s) joined" in proc.stdout
+    starts = [c for c in fake_slurm.calls() if c["argv"][0] == "start" and c["argv"][1].startswith("--address")]
+    assert len(starts) == 4  # each of the two worker nodes: one start that failed, one that joined
+    for task in (0, 1):
+        log = (fake_slurm.run_dir / f"ray-worker-{task}.log").read_text()
+        assert "timed out during startup" in log and "starting it again (try 2 of RAY_START_TRIES=3)" in log, log
+    assert any(c["argv"][:2] == ["job", "submit"] for c in fake_slurm.calls())
 
 
 @pytest.mark.parametrize("env, needle", [
