@@ -159,7 +159,7 @@ def _raw_rank(rank: int, world: int, port: int, out: dict, p: Any, whole: int, r
     group = dist.new_group([0, *range(t, world)])
     worker = rank - t if rank >= t else None
     buffers = _buffers(p, (lambda q: q.dst if q.src == rank else None) if worker is None else
-                       (lambda q: q.src if q.dst == worker else None))
+                       (lambda q: q.src if q.dst == worker else None), torch.device("cpu"))
     bucket = torch.empty(min(BUCKET_BYTES, whole), dtype=torch.uint8) if rank == 0 or worker is not None else None
 
     def m2n() -> None:

@@ -46,9 +46,10 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from rlray.weightsync.boxes import Dims, Engines, Layout, Piece, Plan, Wire, offsets, plan
+from rlray.weightsync.links import Batch, Links, bind_listen_socket, open_gloo_links, open_nccl_links
 from rlray.weightsync.lora import AdapterUpdates
 from rlray.weightsync.reload import KeepsBareCopies
-from rlray.weightsync.transport import WeightGroup, open_weight_group, serve_weight_store, to_dtype
+from rlray.weightsync.transport import serve_weight_store, to_dtype
 
 BACKEND = "m2n_gloo"
 POISON = "RLRAY_WEIGHTS_POISON"
@@ -88,7 +89,7 @@ def _layouts(dicts: list[Any]) -> list[Layout]:
                                                    tuple(tuple(p) for p in d["placements"])) for d in dicts]
 
 
-def _buffers(p: Plan, mine: Callable[[Piece], int | None]) -> dict[int, list[torch.Tensor]]:
+def _buffers(p: Plan, mine: Callable[[Piece], int | None], device: torch.device) -> dict[int, list[torch.Tensor]]:
     """Two uint8 buffers per peer, each as large as the largest message between us (sized once from the plan)."""
     sizes: dict[int, int] = {}
     for g in range(len(p.pieces)):
@@ -96,7 +97,7 @@ def _buffers(p: Plan, mine: Callable[[Piece], int | None]) -> dict[int, list[tor
             peer = mine(pieces[0])
             if peer is not None:
                 sizes[peer] = max(sizes.get(peer, 0), offsets(pieces)[1])
-    return {peer: [torch.empty(n, dtype=torch.uint8) for _ in range(2)] for peer, n in sizes.items()}
+    return {peer: [torch.empty(n, dtype=torch.uint8, device=device) for _ in range(2)] for peer, n in sizes.items()}
 
 
 def _view(buffer: torch.Tensor, at: int, piece: Piece, dtype: torch.dtype) -> torch.Tensor:
@@ -121,6 +122,7 @@ class M2NInitInfo(WeightTransferInitInfo):
     sliced_vision: bool = False
     expert_parallel: bool = False
     digest: str = ""
+    transport: str = "gloo"  # or "nccl" (rlray.weightsync.links)
 
 
 @dataclass
@@ -137,7 +139,7 @@ class M2NWeightEngine(WeightTransferEngine[M2NInitInfo, M2NUpdateInfo]):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.group: WeightGroup | None = None
+        self.links: Links | None = None
         self.plan: Plan | None = None
         self.received = 0  # bytes of the last update
 
@@ -158,9 +160,10 @@ class M2NWeightEngine(WeightTransferEngine[M2NInitInfo, M2NUpdateInfo]):
         if engines.workers()[self.worker] != (pc.rank, pc.tensor_parallel_size):
             raise RuntimeError(f"m2n worker {self.worker} is TP rank {pc.rank} of {pc.tensor_parallel_size}, the plan "
                                f"says {engines.workers()[self.worker]}: engines must join in weight-group order")
-        self.group = open_weight_group(init_info.master_address, init_info.master_port, rank, init_info.world_size,
-                                       init_info.timeout_s)
-        self.buffers = _buffers(self.plan, lambda p: p.src if p.dst == self.worker else None)
+        self.links = open_links(init_info.transport, init_info.master_address, init_info.master_port, rank,
+                                init_info.world_size, init_info.timeout_s)
+        self.buffers = _buffers(self.plan, lambda p: p.src if p.dst == self.worker else None, self.links.device)
+        warm(self.links, [], list(self.buffers))
         self.poison = os.environ.get(POISON) == "1"
 
     def start_weight_update(self) -> None:
@@ -169,40 +172,39 @@ class M2NWeightEngine(WeightTransferEngine[M2NInitInfo, M2NUpdateInfo]):
         initialize_layerwise_reload(self.model)
 
     def receive_weights(self, update_info: M2NUpdateInfo) -> None:
-        if self.group is None or self.plan is None:
+        if self.links is None or self.plan is None:
             raise RuntimeError("m2n weight transfer is not initialized: call init_weight_transfer_engine first")
         self.received = 0
         try:
             pending = self._post(0)
             for g in range(len(self.plan.pieces)):
-                works = pending
-                for _, _, work in works:
-                    work.wait()
-                pending = self._post(g + 1) if g + 1 < len(self.plan.pieces) else []
-                self.model.load_weights(self._staged(g, works))
+                posted, batch = pending
+                batch.wait()
+                if g + 1 < len(self.plan.pieces):
+                    pending = self._post(g + 1)
+                self.model.load_weights(self._staged(g, posted))
         except Exception:
             self.shutdown()  # trainer ranks blocked in a send to this worker fail instead of waiting
             raise
 
-    def _post(self, g: int) -> list[tuple[list[Piece], torch.Tensor, Any]]:
-        assert self.group is not None and self.plan is not None
-        posted = []
-        for (src, dst), pieces in self.plan.links(g).items():
-            if dst == self.worker:
-                buffer = self.buffers[src][g % 2][:offsets(pieces)[1]]
-                posted.append((pieces, buffer, self.group.pg.recv([buffer], src, g)))
-        return posted
+    def _post(self, g: int) -> tuple[list[tuple[list[Piece], torch.Tensor]], Batch]:
+        """Group g's messages to this worker, posted as one exchange."""
+        assert self.links is not None and self.plan is not None
+        posted = [(pieces, self.buffers[src][g % 2][:offsets(pieces)[1]], src)
+                  for (src, dst), pieces in self.plan.links(g).items() if dst == self.worker]
+        batch = self.links.exchange([], [(buffer, src) for _, buffer, src in posted])
+        return [(pieces, buffer) for pieces, buffer, _ in posted], batch
 
-    def _staged(self, g: int, works: list[tuple[list[Piece], torch.Tensor, Any]]) -> list[tuple[str, torch.Tensor]]:
+    def _staged(self, g: int, posted: list[tuple[list[Piece], torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
         """Group g's tensors this worker reads, each full-shape with the planned pieces in place."""
         assert self.plan is not None
         staged: dict[str, torch.Tensor] = {}
         shapes = {w.name: w.shape for w in self.plan.groups[g]}
-        for pieces, buffer, _ in works:
+        for pieces, buffer in posted:
             for piece, at in zip(pieces, offsets(pieces)[0], strict=True):
                 dtype = self.dtypes[piece.name]
                 if piece.name not in staged:
-                    staged[piece.name] = torch.empty(shapes[piece.name], dtype=dtype)
+                    staged[piece.name] = torch.empty(shapes[piece.name], dtype=dtype, device=buffer.device)
                     if self.poison and dtype.is_floating_point:
                         staged[piece.name].fill_(float("nan"))
                 piece.box.of(staged[piece.name]).copy_(_view(buffer, at, piece, dtype))
@@ -216,9 +218,9 @@ class M2NWeightEngine(WeightTransferEngine[M2NInitInfo, M2NUpdateInfo]):
         finish_reload(self.model, self.model_config)
 
     def shutdown(self) -> None:
-        if self.group is not None and self.group.pg is not None:
-            self.group.close()
-        self.group = None
+        if self.links is not None:
+            self.links.close()
+        self.links = None
 
 
 class M2NWeightTransferEngine(AdapterUpdates, KeepsBareCopies, M2NWeightEngine):
@@ -236,6 +238,7 @@ class M2NTrainerInitInfo(TrainerInitInfo):
     tp: list[int]
     timeout_s: float = 300.0
     expert_parallel: bool = False
+    transport: str = "gloo"  # or "nccl" (rlray.weightsync.links)
 
 
 class M2NTrainerWeightTransferEngine(TrainerWeightTransferEngine[M2NTrainerInitInfo]):
@@ -249,7 +252,7 @@ class M2NTrainerWeightTransferEngine(TrainerWeightTransferEngine[M2NTrainerInitI
         self.rank, self.info, self.source = rank, info, source
         engines = Engines(tuple(info.tp), info.expert_parallel)
         self.plan = plan(source.wires, source.layouts, info.trainers, engines, source.dims)
-        self.group: WeightGroup | None = None
+        self.links: Links | None = None
         self.syncs = 0
         self.stats: dict[str, float] = {}
 
@@ -259,14 +262,12 @@ class M2NTrainerWeightTransferEngine(TrainerWeightTransferEngine[M2NTrainerInitI
         if not isinstance(source, ShardSource):
             raise TypeError("the m2n trainer engine needs a ShardSource (rlray.actors.publisher)")
         engine = cls(client=client, source=source, rank=init_info.rank, info=init_info)
-        engine.buffers = _buffers(engine.plan, lambda p: p.dst if p.src == engine.rank else None)
-        host, port, store = init_info.master_address, init_info.master_port, None
+        host, port, rendezvous, kind = init_info.master_address, init_info.master_port, None, init_info.transport
         if engine.rank == 0 and not port:
-            store = serve_weight_store(host, init_info.world_size, init_info.timeout_s)
-            port = store.port
+            rendezvous, port = serve(kind, host, init_info.world_size, init_info.timeout_s)
         port = _from_rank0(port, init_info.trainers)
         if engine.rank != 0:
-            engine.group = open_weight_group(host, port, engine.rank, init_info.world_size, init_info.timeout_s)
+            engine._join(open_links(kind, host, port, engine.rank, init_info.world_size, init_info.timeout_s))
             return engine
         workers = M2NInitInfo(master_address=host, master_port=port, rank_offset=init_info.trainers,
                               world_size=init_info.world_size, trainers=init_info.trainers,
@@ -276,12 +277,17 @@ class M2NTrainerWeightTransferEngine(TrainerWeightTransferEngine[M2NTrainerInitI
                               tp=list(init_info.tp), kv_heads=source.dims.kv_heads,
                               sliced_experts=source.dims.sliced_experts, sliced_vision=source.dims.sliced_vision,
                               expert_parallel=init_info.expert_parallel,
-                              digest=engine.plan.digest())
+                              digest=engine.plan.digest(), transport=kind)
         with ThreadPoolExecutor(max_workers=1) as pool:  # the workers block in init until the group is whole
             joined = pool.submit(client.init_weight_transfer_engine, asdict(workers))
-            engine.group = open_weight_group(host, port, 0, init_info.world_size, init_info.timeout_s, store)
+            engine._join(open_links(kind, host, port, 0, init_info.world_size, init_info.timeout_s, rendezvous))
             joined.result()
         return engine
+
+    def _join(self, links: Links) -> None:
+        self.links = links
+        self.buffers = _buffers(self.plan, lambda p: p.dst if p.src == self.rank else None, links.device)
+        warm(links, [self.info.trainers + dst for dst in self.buffers], [])
 
     def send_weights(self) -> int:
         """One sync; returns the bytes this rank sent."""
@@ -311,15 +317,15 @@ class M2NTrainerWeightTransferEngine(TrainerWeightTransferEngine[M2NTrainerInitI
         return sent
 
     def _send(self) -> int:
-        assert self.group is not None, "trainer_init must run before send_weights"
-        sent, in_flight = 0, {0: [], 1: []}  # works by buffer parity
+        assert self.links is not None, "trainer_init must run before send_weights"
+        sent, in_flight = 0, {0: None, 1: None}  # batches by buffer parity
         for g, wires in enumerate(self.plan.groups):
             links = {dst: pieces for (src, dst), pieces in self.plan.links(g).items() if src == self.rank}
             shards = self.source.shards([w for w in wires if any(p.name == w.name for ps in links.values()
                                                                    for p in ps)]) if links else {}
-            for work in in_flight[g % 2]:  # this parity's buffers were last sent two groups ago
-                work.wait()
-            in_flight[g % 2] = []
+            if in_flight[g % 2] is not None:  # this parity's buffers were last sent two groups ago
+                in_flight[g % 2].wait()
+            messages = []
             for dst, pieces in links.items():
                 at, size = offsets(pieces)
                 buffer = self.buffers[dst][g % 2][:size]
@@ -327,16 +333,44 @@ class M2NTrainerWeightTransferEngine(TrainerWeightTransferEngine[M2NTrainerInitI
                     local, origin = shards[piece.name]
                     _view(buffer, offset, piece, local.dtype).copy_(piece.box.within(origin).of(local))
                     sent += piece.nbytes
-                in_flight[g % 2].append(self.group.pg.send([buffer], self.info.trainers + dst, g))
+                messages.append((buffer, self.info.trainers + dst))
+            in_flight[g % 2] = self.links.exchange(messages, []) if messages else None
             shards = {}  # packed: drop this group's casts before the next group's are made
-        for works in in_flight.values():
-            for work in works:
-                work.wait()
+        for batch in in_flight.values():
+            if batch is not None:
+                batch.wait()
         return sent
 
     def shutdown(self) -> None:
-        if self.group is not None and self.group.pg is not None:
-            self.group.close()
+        if self.links is not None:
+            self.links.close()
+
+
+def serve(transport: str, host: str, world_size: int, timeout_s: float) -> tuple[Any, int]:
+    """Rank 0's rendezvous, bound as its port is chosen: gloo's store, or the socket vLLM's NCCL store takes."""
+    if transport == "nccl":
+        listen = bind_listen_socket(host)
+        return listen, listen.getsockname()[1]
+    store = serve_weight_store(host, world_size, timeout_s)
+    return store, store.port
+
+
+def open_links(transport: str, host: str, port: int, rank: int, world_size: int, timeout_s: float,
+               rendezvous: Any = None) -> Links:
+    """This rank's end of the m2n group over `transport` ("gloo" or "nccl": the rank's current CUDA device)."""
+    if transport == "nccl":
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        return open_nccl_links(host, port, rank, world_size, timeout_s, device, rendezvous)
+    if transport != "gloo":
+        raise ValueError(f"m2n transport {transport!r}: choose gloo or nccl")
+    return open_gloo_links(host, port, rank, world_size, timeout_s, rendezvous)
+
+
+def warm(links: Links, sends: list[int], recvs: list[int]) -> None:
+    """One byte with every planned peer, so that no connection is made inside a timed batch (NCCL connects a pair
+    lazily, at its first message)."""
+    one = torch.zeros(1, dtype=torch.uint8, device=links.device)
+    links.exchange([(one, p) for p in sends], [(one.clone(), p) for p in recvs]).wait()
 
 
 def _encoder_tp_mode(model_config: Any) -> str:

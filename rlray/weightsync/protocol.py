@@ -390,7 +390,7 @@ def trainer_init_info(spec: TrainerSpec, rank: int, wire: Iterable[ParamMeta] = 
         from rlray.weightsync.m2n import M2NTrainerInitInfo
 
         return M2NTrainerInitInfo(spec.master_address, spec.master_port, spec.world_size, spec.trainers,
-                                  list(spec.engine_tp), spec.timeout_s, rank=rank)
+                                  list(spec.engine_tp), spec.timeout_s, rank=rank, transport=spec.link)
     if spec.backend == BACKEND:
         return GlooTrainerInitInfo(spec.master_address, spec.master_port, spec.world_size,
                                    spec.bucket_bytes or BUCKET_BYTES, spec.timeout_s, spec.delta, spec.full_every,

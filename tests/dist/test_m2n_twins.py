@@ -12,10 +12,12 @@ own gathered pass, in the wire dtype); a TP 2 worker receives at most 0.55x of t
 it, as it is a fraction of a real one's: Qwen3-VL-30B-A3B's TP 2 worker gets 0.5003x, tests/unit/test_weights_plan.py),
 and of the vision tower but that Conv3d at most 0.55x too (split by TP as vLLM's Qwen3-VL loaders read it;
 tests/engine/test_vision.py serves it at TP 2 after an m2n sync); the busiest trainer rank sends at most 1.1x the
-mean."""
+mean. Over both transports of the m2n group: gloo, and NCCL's code on tests/fake_nccl.py's communicator (NCCL's
+rules, gloo underneath), whose workers issue every message inside a group call."""
 
 from __future__ import annotations
 
+import os
 import time
 from types import SimpleNamespace
 from typing import Any
@@ -77,7 +79,7 @@ class Recorder(torch.nn.Module):
             self.loaded[name] = tensor
 
 
-def trainer(rank: int, out: dict, port: int, paths: dict[str, str]) -> None:
+def trainer(rank: int, out: dict, port: int, paths: dict[str, str], link: str) -> None:
     import torch.distributed as dist
 
     from rlray.actors.publisher import WeightPublisher
@@ -93,7 +95,7 @@ def trainer(rank: int, out: dict, port: int, paths: dict[str, str]) -> None:
         model = build_model(paths[case], dims, TrainerConfig(num_ranks=TRAINERS, ep=ep), torch.device("cpu"))
         publisher = WeightPublisher(model, torch.device("cpu"), rank, torch.bfloat16)
         publisher.open(TrainerSpec("m2n_gloo", "127.0.0.1", 0, TRAINERS + sum(TP), None, DEADLINE_S,
-                                   trainers=TRAINERS, engine_tp=TP), Client(out, case) if rank == 0 else None)
+                                   trainers=TRAINERS, engine_tp=TP, link=link), Client(out, case) if rank == 0 else None)
         out[(case, "sent", rank)] = publisher.publish(1)["sync_bytes"]
         today = {n: t.clone() for n, t in publisher.full_params(torch.bfloat16)}  # what the broadcast sends
         if rank == 0:
@@ -127,24 +129,30 @@ def worker_process(index: int, out: dict) -> None:
         m2n.receive_weights(M2NUpdateInfo(0))
         out[(case, "received", index)] = m2n.received
         out[(case, "loaded", index)] = model.loaded
+        out[(case, "ungrouped", index)] = getattr(getattr(m2n.links, "comm", None), "ungrouped", 0)
         m2n.shutdown()
 
 
-def run(rank: int, world: int, port: int, out: dict, paths: dict[str, str]) -> None:
+def run(rank: int, world: int, port: int, out: dict, paths: dict[str, str], link: str) -> None:
+    if link == "nccl":  # the NCCL transport's code on NCCL's rules, without a GPU
+        from rlray.weightsync.links import COMMUNICATOR
+
+        os.environ[COMMUNICATOR] = "tests.fake_nccl:FakePyNccl"
     if rank < TRAINERS:
-        trainer(rank, out, port, paths)
+        trainer(rank, out, port, paths, link)
     else:
         worker_process(rank - TRAINERS, out)
 
 
-def test_counters_and_staged_slices_equal_the_plan_on_four_ranks(tmp_path) -> None:
+@pytest.mark.parametrize("link", ["gloo", "nccl"])
+def test_counters_and_staged_slices_equal_the_plan_on_four_ranks(tmp_path, link: str) -> None:
     from rlray.models import tiny
 
     paths = {}
     for case, (cfg, _) in CASES.items():
         paths[case] = str(tmp_path / case.replace(" ", "_"))
         tiny.build(cfg, paths[case])
-    out = spawn(run, TRAINERS + sum(TP), paths)
+    out = spawn(run, TRAINERS + sum(TP), paths, link)
     assert out[("qwen3_vl_moe", "refused")]
     for case in CASES:
         plan, full = out[(case, "plan")], out[(case, "full")]
@@ -162,6 +170,7 @@ def test_counters_and_staged_slices_equal_the_plan_on_four_ranks(tmp_path) -> No
         assert (max(tower) - conv <= 0.55 * (tower_whole - conv)) if tower_whole else tower == [0, 0], \
             (case, tower, tower_whole)
         assert max(sent) <= 1.1 * sum(sent) / TRAINERS, (case, sent)
+        assert all(out[(case, "ungrouped", w)] == 0 for w in range(sum(TP))), case  # every message in a group call
         for pieces in plan.pieces:
             for piece in pieces:
                 staged = out[(case, "loaded", piece.dst)][piece.name]
