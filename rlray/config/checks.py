@@ -46,8 +46,6 @@ def _check_transport(c: Config) -> None:
     _require(w.transport in ("broadcast", "m2n"), f"weights.transport={w.transport!r}: choose broadcast or m2n")
     if w.transport != "m2n":
         return
-    _require(backend(c) == "gloo", "weights.transport=m2n runs on the gloo weight path (CPU) only: its GPU transport "
-                                   "is a design note (DESIGN.md); set weights.transport=broadcast")
     _require(not w.delta, "weights.delta=true with weights.transport=m2n: delta syncs are broadcast; set "
                           "weights.transport=broadcast or weights.delta=false")
     _require(not c.trainer.lora.enabled, "weights.transport=m2n with trainer.lora.rank > 0: LoRA syncs move only the "

@@ -50,6 +50,7 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayError, RayTaskErro
 
 from rlray.actors.rollout import one_line
 from rlray.config import Colocation, Config, weight_backend
+from rlray.config import backend as collective_backend
 from rlray.orchestration import cluster
 from rlray.orchestration.calls import HEALTH_S, FleetClient, errors, loss_cause
 from rlray.orchestration.elastic import Growth, node_gone
@@ -113,7 +114,7 @@ class RolloutFleet:
         world = senders + sum(workers)
         spec = TrainerSpec(backend, host, port, world, w.bucket_mb and w.bucket_mb << 20,
                            w.group_timeout_s, w.delta, w.full_every, Colocation(self.c).stride, sum(workers),
-                           senders, tuple(workers))
+                           senders, tuple(workers), collective_backend(self.c))
         client = FleetClient(list(self.h.rollouts), workers, w.sync_timeout_s)
         ray.get([t.init_weight_group.remote(spec, client) for t in self.h.trainers],
                 timeout=w.group_timeout_s + w.sync_timeout_s)

@@ -37,7 +37,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from rlray.config import Config, backend, weight_backend
+from rlray.config import Config, weight_backend
 from rlray.config.families import family, known
 from rlray.models.shape import ModelShape
 from rlray.orchestration.phases import BYTES, GB
@@ -228,8 +228,8 @@ class WeightsPlan:
     def _sync_lines(self) -> list[str]:
         c, t, r = self.c, self.m2n, self.c.rollout
         busiest, worker = t.busiest, max(range(len(t.received)), key=t.received.__getitem__)
-        gpu_m2n = c.trainer.gpus_per_rank and weight_backend(c) != "m2n_gloo"
-        note = " (m2n runs on gloo only today: its GPU figure is a forecast for NCCL point-to-point)" if gpu_m2n else ""
+        note = (" (m2n on GPUs: NCCL point-to-point, built and tested on a stand-in communicator, not yet run on a "
+                "GPU)") if c.trainer.gpus_per_rank else ""
         imbalance = max(t.sent) * len(t.sent) / max(sum(t.sent), 1)
         return [f"weight sync forecast (estimates; weights.transport={c.weights.transport} is this run's){note}:",
                 (f"  one sync: {size(self.nbytes)} in {t.wires:,} tensors, {c.trainer.num_ranks} trainer ranks -> "
@@ -265,9 +265,8 @@ class WeightsPlan:
         if seconds <= w.sync_timeout_s:
             return []
         other = "m2n" if w.transport == "broadcast" else "broadcast"
-        runs = other == "broadcast" or backend(self.c) == "gloo"  # m2n runs on the gloo weight path only
         faster = f", or weights.transport={other} (~{secs(self.seconds(other))})" \
-            if runs and self.seconds(other) <= w.sync_timeout_s else ""
+            if self.seconds(other) <= w.sync_timeout_s else ""
         source = self.links.source.split(":")[0]
         return [(f"weights.sync_timeout_s={w.sync_timeout_s:g} but a {w.transport} sync is predicted to take "
                  f"~{secs(seconds)} ({source} time model); raise weights.sync_timeout_s{faster}")]

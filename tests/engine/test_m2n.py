@@ -7,7 +7,8 @@ score tokens as transformers does on the gathered weights (fp32: 1e-6 at TP 1, 1
 both), finite, so the plan covers every byte their loaders read, and the TP 2 engine's logprobs are bit for bit those
 of a third engine of the same shape synced by today's broadcast. Before any sync both ranks write the streamed HF
 export of their perturbed shards (one file each) and the TP 1 engine starts from it: vLLM serves it as transformers
-reads it (1e-6)."""
+reads it (1e-6). Over both transports of the m2n group: gloo, and NCCL's code on tests/fake_nccl.py's communicator
+(the engines' workers open it too)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ import pytest
 import torch
 
 from rlray.config import ModelConfig
+from rlray.weightsync.links import COMMUNICATOR
 from tests.dist.common import spawn
 
 pytest.importorskip("vllm")
@@ -38,7 +40,7 @@ def scored(model: torch.nn.Module) -> np.ndarray:
     return torch.log_softmax(logits, -1).gather(1, torch.tensor(TOKENS[1:])[:, None])[:, 0].numpy()
 
 
-def worker(rank: int, world: int, port: int, out: dict, path: str, root: str) -> None:
+def worker(rank: int, world: int, port: int, out: dict, path: str, root: str, link: str) -> None:
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
 
@@ -53,6 +55,8 @@ def worker(rank: int, world: int, port: int, out: dict, path: str, root: str) ->
     from rlray.weightsync.boxes import layout_of
     from rlray.weightsync.transport import TrainerSpec
 
+    if link == "nccl":  # NCCL's code on a stand-in communicator; the engines' processes inherit it
+        os.environ[COMMUNICATOR] = "tests.fake_nccl:FakePyNccl"
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     dims = ParallelDims(world, ep=2)
     dims.build_meshes("cpu")
@@ -82,7 +86,7 @@ def worker(rank: int, world: int, port: int, out: dict, path: str, root: str) ->
     today = WeightPublisher(model, torch.device("cpu"), rank, torch.float32)
     try:
         publisher.open(TrainerSpec("m2n_gloo", "127.0.0.1", 0, world + 3, None, 120.0, trainers=world,
-                                   engine_tp=(2, 1)), client)
+                                   engine_tp=(2, 1), link=link), client)
         today.open(TrainerSpec("gloo", "127.0.0.1", 0, 1 + 2, None, 120.0), broadcast)
         stats = publisher.publish(1)
         today.publish(1)
@@ -110,12 +114,13 @@ def worker(rank: int, world: int, port: int, out: dict, path: str, root: str) ->
     dist.destroy_process_group()
 
 
-def test_every_rank_sends_its_slices_to_the_workers_that_read_them(tmp_path: Path) -> None:
+@pytest.mark.parametrize("link", ["gloo", "nccl"])
+def test_every_rank_sends_its_slices_to_the_workers_that_read_them(tmp_path: Path, link: str) -> None:
     from rlray.models import tiny
 
     path = tmp_path / "glm"
     tiny.build(GLM, path)
-    out = spawn(worker, 2, str(path), str(tmp_path))
+    out = spawn(worker, 2, str(path), str(tmp_path), link)
     assert out["export_files"] == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
     served = np.abs(out["served"] - out["served_expected"]).max()  # vLLM serves the export as transformers reads it
     assert np.isfinite(out["served"]).all() and served < 1e-6, served

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from rlray.config import Config, ConfigError, to_config, validate
+from rlray.config import Config, ConfigError, backend, to_config, validate
 
 
 def launch(*overrides: str, cwd: str = "/") -> subprocess.CompletedProcess:
@@ -46,8 +46,6 @@ BAD = [
      "weights.delta=true runs on the gloo weight path"),
     (["trainer.ep=3"], "trainer.ep=3"),
     (["weights.transport=p2p"], "weights.transport='p2p': choose broadcast or m2n"),
-    (["weights.transport=m2n", "trainer.gpus_per_rank=1", "rollout.gpus_per_actor=1"],
-     "weights.transport=m2n runs on the gloo weight path (CPU) only"),
     (["weights.transport=m2n", "weights.delta=true"], "weights.delta=true with weights.transport=m2n"),
     (["weights.transport=m2n", "trainer.lora.rank=4"], "weights.transport=m2n with trainer.lora.rank > 0"),
     (["weights.transport=m2n", "cluster.colocate=true"], "weights.transport=m2n with cluster.colocate=true"),
@@ -136,6 +134,16 @@ def test_recipe_values_land_in_the_typed_config() -> None:
     c = to_config(cfg)
     assert (c.env.v1.harness_args, c.env.v1.eval_args, c.env.v1.sandbox.memory_mb) == ({"edit": False},
                                                                                       {"split": "test"}, 512)
+
+
+def test_m2n_runs_on_either_collective_backend() -> None:
+    """weights.transport=m2n opens its group over the run's backend: gloo on CPU, NCCL on GPUs (rlray.weightsync.links)."""
+    c = Config()
+    c.weights.transport = "m2n"
+    validate(c)
+    c.trainer.gpus_per_rank = c.rollout.gpus_per_actor = 1
+    validate(c)
+    assert backend(c) == "nccl"
 
 
 def test_validate_rejects_group_size_mismatch() -> None:

@@ -265,9 +265,9 @@ def test_the_glm4_5_recipe_fits_h200_nodes_and_forecasts_its_weight_path() -> No
 
 def test_a_sync_past_its_timeout_and_an_export_past_host_ram_say_so_in_one_line() -> None:
     slow = make_plan(composed("+recipe=glm4_5", "weights.sync_timeout_s=10", "cluster.host_memory_gb=100"))
-    # m2n would take ~3 s, but it runs on the gloo weight path only: the one fix on GPUs is the timeout
+    # m2n runs on GPUs too (over NCCL): the plan names it where it would fit the timeout
     assert slow.problems() == [("weights.sync_timeout_s=10 but a broadcast sync is predicted to take ~23.65 s (GPU time "
-                                "model); raise weights.sync_timeout_s")]
+                                "model); raise weights.sync_timeout_s, or weights.transport=m2n (~2.65 s)")]
     assert slow.warnings() == [("checkpoint.export_hf=true: the HF export may take up to 655 GB of host RAM on a node "
                                 "of trainer ranks (checkpoint.async_save's staging copies included), more than "
                                 "cluster.host_memory_gb=100; raise cluster.host_memory_gb if the nodes have it, or set "
