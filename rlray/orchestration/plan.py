@@ -25,6 +25,7 @@ from rlray.config import (
     Config,
     ConfigError,
     LoraConfig,
+    backend,
     engine_workers,
     weight_backend,
 )
@@ -203,6 +204,8 @@ class Plan:
         default = {"nccl": "vLLM's packed buffers (its default size)", "shm": f"{SHM_BUCKET_BYTES >> 20} MB rounds in /dev/shm"}
         bucket = f"{w.bucket_mb} MB buckets" if w.bucket_mb else default.get(b, f"{BUCKET_BYTES >> 20} MB buckets")
         how = phases.weight_sync_line(self) if b == "ipc" else f"{b}, {bucket}"
+        if b == "m2n_gloo":  # no buckets: one message per layer group and link
+            how = f"m2n over {backend(c)} (each trainer rank sends its own slices: a message per layer group and worker)"
         lines.append(f"weight sync: {how}; a sync gives up after weights.sync_timeout_s={w.sync_timeout_s:g}s"
                      + (f", one broadcast after weights.group_timeout_s={w.group_timeout_s:g}s" if b == "gloo" else ""))
         lines += self.weights.lines() if self.weights else []

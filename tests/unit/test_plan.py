@@ -296,3 +296,10 @@ def test_the_broadcast_forecast_counts_a_gather_per_parameter_only_across_ranks(
     assert (two.params, one.params, two.m2n.wires) == (47, 0, 47)
     costs = two.links.broadcast
     assert two.seconds("broadcast") - one.seconds("broadcast") == pytest.approx(47 * costs.message_s)
+
+
+@pytest.mark.parametrize("overrides, transport", [(("+recipe=glm4_5",), "nccl"), ((), "gloo")])
+def test_an_m2n_run_names_its_transport(overrides: tuple[str, ...], transport: str) -> None:
+    """weights.transport=m2n over the run's collective backend: NCCL on GPUs, gloo on CPU (rlray.weightsync.links)."""
+    text = make_plan(composed(*overrides, "weights.transport=m2n")).render()
+    assert f"weight sync: m2n over {transport} (each trainer rank sends its own slices" in text, text
