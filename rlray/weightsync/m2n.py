@@ -12,17 +12,18 @@ Contract:
   the loader dims and each group's local shards. `send_weights()` on every rank, with no collective among the
   trainer ranks (one frozen or slow rank holds up only the workers waiting for its slices): rank 0 starts the
   update and asks the workers to receive (side thread), then every rank packs, per layer group and worker, the pieces it holds
-  into one 16-byte-aligned message and sends it (tagged by group; two buffers per link, so a group is packed while
+  into one 16-byte-aligned message and sends it (in plan order; two buffers per link, so a group is packed while
   the one before is on the wire); rank 0 finishes. Returns the bytes this rank sent; `stats` as the gloo engine's.
 - Worker side (`M2NWeightTransferEngine`): init joins the group and plans; each update receives group g+1 while it
-  loads group g: every planned piece lands in a full-shape staging tensor (`torch.empty`: pages it never writes cost
-  no memory; NaN-filled with `RLRAY_WEIGHTS_POISON=1`, so a plan that misses a byte the loaders read shows as NaN
+  loads group g: every planned piece lands in a full-shape staging tensor (`torch.empty`: on CPU pages it never writes
+  cost no memory, on CUDA every page is real; NaN-filled with `RLRAY_WEIGHTS_POISON=1`, so a plan that misses a byte the loaders read shows as NaN
   logprobs), handed to vLLM's layerwise reload as today's path does, with the same CPU fix-ups at finish.
 - Failure: any rank whose send or receive fails closes its end of the group, which fails the peers blocked on it;
   a rank whose workers never receive (rank 0 could not start them) waits until the fleet closes its end from the
   control thread, as for a broadcast, or `timeout_s` (weights.group_timeout_s) passes.
-- The transport is gloo point-to-point on the bare `ProcessGroupGloo` (`pg.send([t], dst, tag)` / `pg.recv`); on
-  GPUs vLLM's NCCL communicator's grouped send/recv would carry the same messages (DESIGN.md's note).
+- The transport is rlray.weightsync.links (`transport` in both init infos): gloo's send/recv on CPU, vLLM's NCCL
+  communicator on GPUs; each rank's messages of one layer group go as one exchange (one NCCL group call), and each
+  end warms every planned pair with one byte at init.
 """
 
 from __future__ import annotations
