@@ -8,8 +8,8 @@ Contract:
   Within one exchange the order of peers does not matter (a batch cannot deadlock on a cycle of ranks).
 - `close()` aborts this end: it never waits for a peer (the peer may be dead); it may be called twice.
 - `device` is where this end's buffers live: the CPU for gloo, the rank's CUDA device for NCCL.
-- `GlooLinks` (CPU): `ProcessGroupGloo.send/recv`, each wait bounded by what is left of the batch's time. `NcclLinks`: a communicator with vLLM's
-  `PyNcclCommunicator` surface (`send(t, peer, stream)`, `recv`, `group_start`, `group_end`, `destroy`); each
+- `GlooLinks` (CPU): `ProcessGroupGloo.send/recv`, each wait bounded by what is left of the batch's time.
+  `NcclLinks`: a communicator with vLLM's `PyNcclCommunicator` surface (`send(t, peer, stream)`, `recv`, `group_start`, `group_end`, `destroy`); each
   exchange is one group call on a side stream that first waits for the current stream (the buffers were packed
   there), its end an event that `wait` polls until the deadline, then hands to the current stream.
   `CudaEvents` holds the CUDA calls; a fake communicator brings its own (tests/fake_nccl.py).

@@ -11,13 +11,14 @@ Contract:
   they block in the join). The source is a `ShardSource`: the wire tensors (boxes.Wire), the parameters' layouts,
   the loader dims and each group's local shards. `send_weights()` on every rank, with no collective among the
   trainer ranks (one frozen or slow rank holds up only the workers waiting for its slices): rank 0 starts the
-  update and asks the workers to receive (side thread), then every rank packs, per layer group and worker, the pieces it holds
-  into one 16-byte-aligned message and sends it (in plan order; two buffers per link, so a group is packed while
-  the one before is on the wire); rank 0 finishes. Returns the bytes this rank sent; `stats` as the gloo engine's.
+  update and asks the workers to receive (side thread), then every rank packs, per layer group and worker, the
+  pieces it holds into one 16-byte-aligned message and sends it (in plan order; two buffers per link, so a group
+  is packed while the one before is on the wire); rank 0 finishes. Returns the bytes this rank sent; `stats` as the gloo engine's.
 - Worker side (`M2NWeightTransferEngine`): init joins the group and plans; each update receives group g+1 while it
-  loads group g: every planned piece lands in a full-shape staging tensor (`torch.empty`: on CPU pages it never writes
-  cost no memory, on CUDA every page is real; NaN-filled with `RLRAY_WEIGHTS_POISON=1`, so a plan that misses a byte the loaders read shows as NaN
-  logprobs), handed to vLLM's layerwise reload as today's path does, with the same CPU fix-ups at finish.
+  loads group g: every planned piece lands in a full-shape staging tensor (`torch.empty`: on CPU pages it never
+  writes cost no memory, on CUDA every page is real; NaN-filled with `RLRAY_WEIGHTS_POISON=1`, so a plan that misses
+  a byte the loaders read shows as NaN logprobs), handed to vLLM's layerwise reload as today's path does, with the
+  same CPU fix-ups at finish.
 - Failure: any rank whose send or receive fails closes its end of the group, which fails the peers blocked on it;
   a rank whose workers never receive (rank 0 could not start them) waits until the fleet closes its end from the
   control thread, as for a broadcast, or `timeout_s` (weights.group_timeout_s) passes.
@@ -360,7 +361,8 @@ def open_links(transport: str, host: str, port: int, rank: int, world_size: int,
                rendezvous: Any = None) -> Links:
     """This rank's end of the m2n group over `transport` ("gloo" or "nccl": the rank's current CUDA device)."""
     if transport == "nccl":
-        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        cuda = torch.cuda.is_available()
+        device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
         return open_nccl_links(host, port, rank, world_size, timeout_s, device, rendezvous)
     if transport != "gloo":
         raise ValueError(f"m2n transport {transport!r}: choose gloo or nccl")
