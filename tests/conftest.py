@@ -26,6 +26,9 @@ os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("RAY_DASHBOARD_SUBPROCESS_MODULE_WAIT_READY_TIMEOUT", "300")
 os.environ.setdefault("RAY_DASHBOARD_STARTUP_TIMEOUT_S", "600")
+# Where a test runs the m2n group over NCCL (no GPU here), its communicator is the gloo-backed stand-in; every Ray
+# actor gets it (rlray.orchestration.cluster.code_env passes RLRAY_* on), vLLM's engine processes inherit it.
+os.environ.setdefault("RLRAY_NCCL_COMMUNICATOR", "tests.fake_nccl:FakePyNccl")
 
 
 # Units of work in the order they are handed out (the rest keep pytest's order).

@@ -7,6 +7,10 @@ NCCL's rules it keeps:
   receive must be the size of its send (gloo raises where NCCL would corrupt or hang);
 - inside `group_start`/`group_end` the operations are issued together at `group_end` and progress concurrently;
   outside a group each operation blocks until its peer's matching one has run, as an NCCL kernel holds its stream.
+  Either way a send is done only once its peer has posted the matching receive (NCCL's kernels meet; no eager
+  buffer): a send to a silent peer never completes;
+- no failure propagates: an operation whose peer died or aborted stays pending forever, as an NCCL kernel spins
+  (only the caller's deadline ends the wait);
   A rank blocked so publishes whom it waits for; a cycle of such waits (t0 sends to w0 while w0 sends to t0, both
   ungrouped) raises `Deadlock` instead of hanging, naming the cycle;
 - `destroy` aborts: pending operations of peers with this rank fail; nothing waits;
@@ -33,19 +37,28 @@ class Deadlock(RuntimeError):
 
 
 class _Done:
-    """One group call's end: a thread waits on its gloo works (gloo's send and receive works report completion only
-    through `wait`), as the GPU would run the group's kernels."""
+    """One group call's end: a thread waits until each operation's peer has posted its match, then on its gloo work
+    (gloo's works report completion only through `wait`), as the GPU would run the group's kernels. A failure (a
+    peer gone, this end aborted) leaves it unfinished, as NCCL would: `error` keeps it for a reader."""
 
-    def __init__(self, works: list[Any]) -> None:
+    def __init__(self, comm: FakePyNccl | None = None, ops: list[tuple[Any, str, int]] = ()) -> None:
         self.finished, self.error = threading.Event(), None
-        threading.Thread(target=self._wait, args=(works,), daemon=True).start()
+        if not ops:
+            self.finished.set()
+            return
+        threading.Thread(target=self._wait, args=(comm, ops), daemon=True).start()
 
-    def _wait(self, works: list[Any]) -> None:
+    def _wait(self, comm: FakePyNccl, ops: list[tuple[Any, str, int]]) -> None:
         try:
-            for w in works:
-                w.wait()
-        except Exception as e:  # a peer gone, a size that did not match: raised by `join`
+            for work, match, n in ops:
+                while comm.store.add(match, 0) < n:
+                    if comm.pg is None:
+                        raise RuntimeError("NCCL: the communicator was destroyed")
+                    time.sleep(0.01)
+                work.wait()
+        except Exception as e:
             self.error = e
+            return
         self.finished.set()
 
 
@@ -65,8 +78,7 @@ class _Events:
         return event.finished.is_set()
 
     def join(self, event: _Done) -> None:
-        if event.error is not None:
-            raise event.error
+        assert event.finished.is_set(), "NCCL: joined an event that is not done"
 
 
 class FakePyNccl:
@@ -76,7 +88,7 @@ class FakePyNccl:
         self.disabled = self.world_size == 1
         self.available = not self.disabled
         self.queue: list[tuple[str, torch.Tensor, int]] | None = None
-        self.last = _Done([])
+        self.last = _Done()
         self.ungrouped = 0
         self.pg = None if self.disabled else dist.ProcessGroupGloo(
             dist.PrefixStore(PREFIX, self.store), self.rank, self.world_size, timedelta(seconds=300))
@@ -97,7 +109,7 @@ class FakePyNccl:
     def group_end(self) -> None:
         assert self.queue is not None, "NCCL: group_end without group_start"
         queue, self.queue = self.queue, None
-        self.last = _Done([self._issue(*op)[0] for op in queue])
+        self.last = _Done(self, [self._issue(*op) for op in queue])
 
     def destroy(self) -> None:
         if self.pg is not None:
@@ -111,21 +123,21 @@ class FakePyNccl:
             self.queue.append((kind, tensor, peer))
             return
         self.ungrouped += 1
-        work, n = self._issue(kind, tensor, peer)
-        self._block(work, kind, peer, n)
+        self._block(*self._issue(kind, tensor, peer), peer)
 
-    def _issue(self, kind: str, tensor: torch.Tensor, peer: int) -> tuple[Any, int]:
-        """Post one operation; returns its gloo work and its number among this rank's `kind`s with `peer`."""
+    def _issue(self, kind: str, tensor: torch.Tensor, peer: int) -> tuple[Any, str, int]:
+        """Post one operation; returns its gloo work, the store key counting the peer's matching operations, and
+        its number among this rank's `kind`s with `peer` (the match it waits for)."""
         if self.pg is None:
             raise RuntimeError("NCCL: the communicator was destroyed")
         n = self.store.add(f"{PREFIX}/{kind}/{self.rank}/{peer}", 1)
-        return (self.pg.send if kind == "send" else self.pg.recv)([tensor], peer, 0), n
+        match = f"{PREFIX}/{'recv' if kind == 'send' else 'send'}/{peer}/{self.rank}"
+        return (self.pg.send if kind == "send" else self.pg.recv)([tensor], peer, 0), match, n
 
-    def _block(self, work: Any, kind: str, peer: int, n: int) -> None:
+    def _block(self, work: Any, match: str, n: int, peer: int) -> None:
         """Wait as a stream held by an NCCL kernel does: until `peer` has issued the matching operation (a send
         meets the peer's receive, not its eager buffer) and the data moved; a cycle of ranks each waiting on the
         next raises `Deadlock`."""
-        match = f"{PREFIX}/{'recv' if kind == 'send' else 'send'}/{peer}/{self.rank}"
         key = f"{PREFIX}/waits/{self.rank}"
         self.store.set(key, str(peer))
         seen: list[int] = []

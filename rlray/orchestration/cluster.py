@@ -68,12 +68,14 @@ SHIPPED = "RLRAY_SHIPPED_CODE"  # set in every actor whose env modules came with
 def code_env(python_path: Sequence[str] = (), benchmarks: bool = False) -> dict[str, Any]:
     """The runtime_env that ships rlray and each module (a .py file or a package folder) found in
     the `python_path` folders to every node; PYTHONPATH keeps this checkout for whatever else the
-    driver imports from it (a node without it skips the missing folder). rlray/bench stays behind
+    driver imports from it (a node without it skips the missing folder); every RLRAY_* variable of the
+    driver's environment reaches every actor. rlray/bench stays behind
     (a run's code is the run's) unless `benchmarks` (their own Ray actors need it)."""
     modules = [str(PACKAGE)]
     for folder in map(Path, python_path):
         modules += [str(m) for m in sorted(folder.iterdir()) if m.suffix == ".py" or (m / "__init__.py").is_file()]
-    env_vars = {"PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])),
+    env_vars = {**{k: v for k, v in os.environ.items() if k.startswith("RLRAY_")},  # the driver's rlray settings
+                "PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])),
                 "TOKENIZERS_PARALLELISM": "false", SHIPPED: os.pathsep.join(python_path)}
     # Ray applies excludes within each py_modules folder, as gitignore patterns from its root
     return {"py_modules": modules, "env_vars": env_vars, **({} if benchmarks else {"excludes": ["/bench/"]})}

@@ -15,8 +15,9 @@ Contract:
   fails with no receiver lost raises, naming the version. A sync never hangs: it has a deadline
   (`weights.sync_timeout_s`) and the engines are watched while it runs; every wait on an actor
   has a timeout, and the trainers leave the weight group on their control thread
-  (`cluster.CONTROL`), never queued behind a broadcast in flight. On gloo and shm an engine lost
-  mid-sync, or one that has not finished by the deadline, is killed and replaced; on nccl and ipc
+  (`cluster.CONTROL`), never queued behind a broadcast in flight. On gloo, shm and m2n (over gloo or
+  NCCL) an engine lost mid-sync, or one that has not finished by the deadline or not taken an m2n batch
+  within weights.group_timeout_s, is killed and replaced; on nccl and ipc
   the run stops with one line naming it (vLLM's NCCL group cannot be abandoned; its ipc engine
   leaves the other trainer ranks in a barrier).
 - `start()` starts every actor's RL loop (they put groups into the buffer); `heal(version)`
@@ -54,9 +55,19 @@ from rlray.config import backend as collective_backend
 from rlray.orchestration import cluster
 from rlray.orchestration.calls import HEALTH_S, FleetClient, errors, loss_cause
 from rlray.orchestration.elastic import Growth, node_gone
+from rlray.weightsync.links import LinkTimeout
 from rlray.weightsync.transport import TrainerSpec
 
 POLL_S = 0.5  # a sync in flight looks at the engines this often
+
+
+def _cause(error: RayError) -> BaseException:
+    return getattr(error, "cause", None) or error
+
+
+def _late(error: RayError) -> bool:
+    """Whether a trainer's sync failed because its m2n messages were not taken within their deadline."""
+    return isinstance(_cause(error), LinkTimeout)
 
 
 def _sync_metrics(ranks: list[dict[str, float]]) -> dict[str, float]:
@@ -107,10 +118,10 @@ class RolloutFleet:
         self.nodes = list(cluster.nodes_of(self.h.rollouts, w.sync_timeout_s))
         host, port = cluster.free_address(self.h.trainer_pg, 0)
         backend = weight_backend(self.c)
-        if backend in ("gloo", "nccl", "m2n_gloo"):  # trainer rank 0 picks the port as it binds (one chosen
+        if backend in ("gloo", "nccl", "m2n"):  # trainer rank 0 picks the port as it binds (one chosen
             port = 0  # here could be taken)
         workers = ray.get([r.workers.remote() for r in self.h.rollouts], timeout=w.sync_timeout_s)
-        senders = len(self.h.trainers) if backend == "m2n_gloo" else 1  # m2n: every trainer rank sends
+        senders = len(self.h.trainers) if backend == "m2n" else 1  # m2n: every trainer rank sends
         world = senders + sum(workers)
         spec = TrainerSpec(backend, host, port, world, w.bucket_mb and w.bucket_mb << 20,
                            w.group_timeout_s, w.delta, w.full_every, Colocation(self.c).stride, sum(workers),
@@ -192,7 +203,8 @@ class RolloutFleet:
         On nccl the run stops: vLLM's NCCL communicator has no timeout, so a broadcast hung on trainer rank
         0's GPU cannot be abandoned inside that process. On gloo the lost engines are killed (which fails
         rank 0's broadcast to them), the trainers' sends end within the group timeout, the group is closed
-        and every engine whose load broke off with it is replaced too."""
+        and every engine whose load broke off with it is replaced too. m2n over NCCL is abandoned as gloo is: each
+        batch's wait aborts its communicator at the group timeout (rlray.weightsync.links)."""
         w = self.c.weights
         # A trainer's own death; not a task error whose cause is an engine's death (Ray makes those both)
         trainer_died = next((e for e in failed if isinstance(e, RayActorError) and not isinstance(e, RayTaskError)),
@@ -201,8 +213,9 @@ class RolloutFleet:
             raise RuntimeError(f"a trainer rank died during the weight sync to policy version {version} "
                                f"({one_line(trainer_died)}); resume the run from its last checkpoint (same run.dir)")
         lost = lost or self._dead()
-        if not lost and not failed:  # the deadline passed: the engines that have not finished are stuck
-            lost = self._unfinished(version)
+        late = next((e for e in failed if _late(e)), None)
+        if not lost and (late or not failed):  # a deadline passed: the engines that have not finished are stuck
+            lost = self._unfinished(version, late)
         if weight_backend(self.c) in ("nccl", "ipc"):
             raise RuntimeError(self._stuck(version, lost, failed))
         self._gone(lost)  # asked before the kill, which would make every one of them look dead on a live node
@@ -217,11 +230,13 @@ class RolloutFleet:
         broke = "its weight load broke when the weight group lost " + ", ".join(self.names()[i] for i in sorted(lost))
         return lost | {i: broke for i, s in stats.items() if i not in lost and s["version"] != version}
 
-    def _unfinished(self, version: int) -> dict[int, str]:
-        """Past the deadline: the actors that do not answer or have not loaded `version`."""
+    def _unfinished(self, version: int, late: RayError | None = None) -> dict[int, str]:
+        """Past the sync's deadline, or a batch's (`late`: a trainer's m2n messages to a silent engine): the actors
+        that do not answer or have not loaded `version`."""
         refs = [r.stats.remote() for r in self.h.rollouts]
         failed = errors(refs, HEALTH_S)
-        why = f"it did not finish the weight sync within weights.sync_timeout_s={self.c.weights.sync_timeout_s:g}s"
+        why = (f"it did not finish the weight sync within weights.sync_timeout_s={self.c.weights.sync_timeout_s:g}s"
+               if late is None else f"it did not take the weight sync's messages ({one_line(_cause(late))})")
         return {i: why for i, ref in enumerate(refs) if i in failed or ray.get(ref)["version"] != version}
 
     def _stuck(self, version: int, lost: dict[int, str], failed: list[RayError]) -> str:

@@ -72,12 +72,14 @@ def test_crossing_messages_issued_one_by_one_deadlock_as_nccl_would() -> None:
     assert "0 -> 2 -> 1 -> 3 -> 0" in out[T0]["deadlock"], out
 
 
-def silent(rank: int, world: int, port: int, out: dict, kind: str) -> None:
+def silent(rank: int, world: int, port: int, out: dict, kind: str, op: str = "recv") -> None:
     from rlray.weightsync.links import LinkTimeout
 
     links = open_links(kind, rank, world, port, timeout_s=2)
     if rank == 1:
-        batch, t0 = links.exchange([], [(torch.zeros(8, dtype=torch.uint8), 0)]), time.monotonic()
+        message_ = [(torch.zeros(8, dtype=torch.uint8), 0)]
+        batch = links.exchange(*((message_, []) if op == "send" else ([], message_)))
+        t0 = time.monotonic()
         try:
             batch.wait()
             out[rank] = "returned"
@@ -102,3 +104,10 @@ def test_a_peer_that_never_sends_times_out_and_closes_this_end(kind: str) -> Non
     assert message_ == ("m2n messages with ranks [0] not done within 2s (weights.group_timeout_s): "
                         "this end of the group closed"), out
     assert "closed" in out["after"] or "destroyed" in out["after"], out
+
+
+def test_a_send_to_a_peer_that_never_receives_times_out_on_nccl() -> None:
+    """NCCL has no eager buffer: a send is done only when its receive was posted (gloo's small sends may finish
+    alone), so a silent receiver is found by the same deadline."""
+    out = spawn(silent, 2, "fake_nccl", "send")
+    assert 2 <= out[1][0] < 2 + 5 and "ranks [0]" in out[1][1], out

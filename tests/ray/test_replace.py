@@ -137,30 +137,82 @@ def kill(actor) -> None:  # type: ignore[no-untyped-def]
         assert time.monotonic() < deadline, "Ray did not report the killed rollout actor dead within 120 s"
 
 
-def test_an_engine_killed_mid_m2n_sync_is_replaced_and_the_resync_is_exact(ray_cluster, tmp_path,
-                                                                             monkeypatch) -> None:
-    """weights.transport=m2n, 2 trainer ranks: the engine dies while the workers wait for trainer rank 1's slices
-    (rank 1 frozen); the ranks' sends to it fail, every end of the group closes, the engine is replaced and the
-    sync repeated into the new one, which then scores as the trainer does (on-policy mismatch at float error)."""
+def freeze_engine_mid_broadcast(fleet: RolloutFleet, frozen: list[tuple[int, float]], problems: list[str]) -> None:
+    """Stop (SIGSTOP) the EngineCore of rollout actor 0 while the sync that starts now is in its transfer: a silent
+    peer, as a hung GPU is. Trainer rank 1 is frozen first so the sync cannot end before; (pid, time) of the stop
+    goes to `frozen`."""
+    rank1 = psutil.Process(ray.get(fleet.h.trainers[1].pid.remote(), timeout=60))
+    actor = fleet.h.rollouts[0]
+    rank1.suspend()
+
+    def freeze() -> None:
+        try:
+            deadline = time.monotonic() + 120
+            while not loading(actor):
+                if time.monotonic() > deadline:
+                    raise TimeoutError("rollout-0's update_weights was not running 120 s into the sync")
+                time.sleep(0.1)
+            pid = ray.get(actor.pid.remote(), timeout=60)
+            core = next(c for c in psutil.Process(pid).children() if c.name() == "VLLM::EngineCore")
+            core.suspend()
+            frozen.append((core.pid, time.monotonic()))
+        except Exception as e:
+            problems.append(f"{type(e).__name__}: {e}")
+        finally:
+            rank1.resume()
+
+    threading.Thread(target=freeze, daemon=True).start()
+
+
+def test_m2n_over_nccl_replaces_an_engine_killed_or_silent_mid_sync(ray_cluster, tmp_path, monkeypatch) -> None:
+    """weights.transport=m2n, 2 trainer ranks, the NCCL transport on its stand-in communicator (tests/fake_nccl.py:
+    no failure propagates, a send waits for its receive). The engine is killed mid-sync (version 2: the ranks' sends
+    to it never end, their batches time out and close every end), then its replacement's EngineCore stopped mid-sync
+    (version 3: a silent peer; the trainers' batches raise `LinkTimeout` within weights.group_timeout_s + 5 s). Each
+    time the engine is replaced and the sync repeated into the new one, which then scores as the trainer does
+    (on-policy mismatch at float error)."""
+    import rlray.orchestration.fleet as fleet_module
+
+    monkeypatch.setattr(fleet_module, "collective_backend", lambda c: "nccl")  # the m2n links' transport
+    timeout = 15
     c = tiny_config(tmp_path, rl={"steps": 4}, async_={"max_off_policy_steps": 0},
-                    weights={"transport": "m2n", "group_timeout_s": 60})
+                    weights={"transport": "m2n", "group_timeout_s": timeout, "sync_timeout_s": 60})
     c.stages = ["rl"]
     assert c.trainer.num_ranks == 2
-    real_broadcast, killed, problems = RolloutFleet._broadcast, [], []
+    real_broadcast, real_abandon = RolloutFleet._broadcast, RolloutFleet._abandon
+    problems: list[str] = []
+    frozen: list[tuple[int, float]] = []
+    events: list[tuple[int, float, dict]] = []
 
     def broadcast_losing_an_engine(self: RolloutFleet, version: int) -> tuple:
-        if self.loops and version == 2 and not killed:
-            killed.append(version)
+        if self.loops and version == 2 and not events:
             kill_engine_mid_broadcast(self, problems)
+        if self.loops and version == 3 and not frozen:
+            freeze_engine_mid_broadcast(self, frozen, problems)
         return real_broadcast(self, version)
 
+    def abandon(self: RolloutFleet, version: int, *args) -> dict[int, str]:
+        seen = time.monotonic()
+        try:
+            lost = real_abandon(self, version, *args)
+        finally:
+            for pid, _ in frozen:  # the stopped process, its actor gone: no longer needed
+                psutil.Process(pid).kill() if psutil.pid_exists(pid) else None
+        events.append((version, seen, lost))
+        return lost
+
     monkeypatch.setattr(RolloutFleet, "_broadcast", broadcast_losing_an_engine)
+    monkeypatch.setattr(RolloutFleet, "_abandon", abandon)
     out: dict = {}
     thread = threading.Thread(target=lambda: out.update(summary=run(c)), daemon=True)
     thread.start()
     thread.join(timeout=600)
-    assert not thread.is_alive() and "summary" in out
+    assert not thread.is_alive() and "summary" in out and not problems, problems
+    assert [(v, sorted(lost)) for v, _, lost in events] == [(2, [0]), (3, [0])], events
+    _, seen, lost = events[1]
+    assert seen - frozen[0][1] < timeout + 5, (seen - frozen[0][1], events)
+    assert "did not take the weight sync's messages (LinkTimeout: m2n messages with ranks [2] not done within 15s" \
+        in lost[0], lost
     rl = rl_records(c.run.dir)
-    assert killed == [2] and not problems, problems
-    assert [r["step"] for r in rl] == list(range(4)) and rl[-1]["rollout_restarts"] == 1
+    assert [r["step"] for r in rl] == list(range(4)) and rl[-1]["rollout_restarts"] == 2
     assert all(r["lag_max"] == 0 for r in rl) and max(r["mismatch_kl"] for r in rl) < 1e-5

@@ -108,7 +108,10 @@ def test_env_modules_ship_with_the_runtime_env(tmp_path, monkeypatch) -> None:
     (tmp_path / "pkg_env" / "__init__.py").write_text("")
     (tmp_path / "data").mkdir()  # no __init__.py: not a module
     (tmp_path / "notes.txt").write_text("")
+    monkeypatch.setenv("RLRAY_SOME_SETTING", "on")  # the driver's rlray settings reach every actor
+    monkeypatch.setenv(SHIPPED, "a parent run's")  # this run's own value wins
     env = code_env([str(tmp_path)])
+    assert env["env_vars"]["RLRAY_SOME_SETTING"] == "on"
     assert env["py_modules"] == [str(Path(rlray.__file__).parent), str(tmp_path / "one_env.py"),
                                  str(tmp_path / "pkg_env")]
     assert env["env_vars"][SHIPPED] == str(tmp_path)
