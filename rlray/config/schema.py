@@ -359,15 +359,19 @@ class WeightSyncConfig:
     # None: 16 on gloo (the measured best, BENCHMARKS.md), vLLM's packed buffer size (1 GiB) on nccl
     bucket_mb: int | None = None
     # A whole sync's deadline: past it, or once an engine dies during it, the fleet acts (gloo: the engines
-    # that did not finish are replaced; nccl: the run stops, vLLM's NCCL group cannot be abandoned).
+    # that did not finish are replaced, as with m2n on either backend; nccl broadcast: the run stops, vLLM's
+    # NCCL group cannot be abandoned).
     sync_timeout_s: float = 300.0
-    # gloo: the longest one join or broadcast of the weight group waits (vLLM's NCCL group has no timeout)
+    # gloo, and m2n on gloo or NCCL: the longest one join, broadcast or m2n batch of the weight group waits (vLLM's
+    # NCCL broadcast group has no timeout)
     group_timeout_s: float = 300.0
     delta: bool = False  # after a full sync, send only the elements whose value in the engine's dtype changed
     full_every: int = 10  # with delta: every this many syncs is a full one (bounds any drift)
     # broadcast: trainer rank 0 sends every full tensor to every worker; m2n: every trainer rank sends its own slices
-    # to the workers that read them (rlray.weightsync.m2n; gloo, CPU)
-    transport: str = "broadcast"
+    # to the workers that read them (rlray.weightsync.m2n; point-to-point over gloo on CPUs, NCCL on GPUs); auto: the
+    # plan picks at launch, m2n on GPU trainers where the run allows it, its forecast is faster and its staging fits
+    # beside the engines, else broadcast (rlray.orchestration.weights_plan.WeightsPlan.auto)
+    transport: str = "auto"
 
 
 @dataclass

@@ -80,6 +80,7 @@ class Plan:
     teacher_shape: ModelShape | None = None  # algo.loss=opd: the teacher's model, and its engines' memory
     teacher: dict[str, float] | None = None
     weights: WeightsPlan | Unplanned | None = None  # the weight path's forecast (rlray.orchestration.weights_plan)
+    auto_transport: bool = False  # weights.transport was auto: make_plan chose it
 
     @property
     def states_gb(self) -> float:
@@ -204,9 +205,10 @@ class Plan:
         default = {"nccl": "vLLM's packed buffers (its default size)", "shm": f"{SHM_BUCKET_BYTES >> 20} MB rounds in /dev/shm"}
         bucket = f"{w.bucket_mb} MB buckets" if w.bucket_mb else default.get(b, f"{BUCKET_BYTES >> 20} MB buckets")
         how = phases.weight_sync_line(self) if b == "ipc" else f"{b}, {bucket}"
-        if b == "m2n_gloo":  # no buckets: one message per layer group and link
+        if b == "m2n":  # no buckets: one message per layer group and link
             how = f"m2n over {backend(c)} (each trainer rank sends its own slices: a message per layer group and worker)"
-        lines.append(f"weight sync: {how}; a sync gives up after weights.sync_timeout_s={w.sync_timeout_s:g}s"
+        chose = f" (weights.transport=auto chose {w.transport})" if self.auto_transport else ""
+        lines.append(f"weight sync: {how}{chose}; a sync gives up after weights.sync_timeout_s={w.sync_timeout_s:g}s"
                      + (f", one broadcast after weights.group_timeout_s={w.group_timeout_s:g}s" if b == "gloo" else ""))
         lines += self.weights.lines() if self.weights else []
         where = f"GPU of {c.cluster.gpu_memory_gb:g} GB" if self.on_gpu else "CPU rank (host RAM)"
@@ -301,8 +303,15 @@ def make_plan(c: Config) -> Plan:
     shape = shape_of(c)
     dims = ParallelDims(c.trainer.num_ranks, ep=c.trainer.ep, cp=c.trainer.cp)
     other = activations(shape, c, not c.trainer.activation_checkpointing)
-    plan = Plan(c, shape, dims, trainer_memory(shape, c), engine_memory(shape, c.rollout, c.cluster.gpu_memory_gb),
-                other, weights=weights_plan(c, shape))
+    weights = weights_plan(c, shape)
+    auto = c.weights.transport == "auto"
+    if auto:  # the plan picks, once, for the whole run (WeightsPlan.auto)
+        c.weights.transport = weights.auto() if isinstance(weights, WeightsPlan) else "broadcast"
+    trainer = trainer_memory(shape, c)
+    if isinstance(weights, WeightsPlan) and c.weights.transport == "m2n":
+        trainer["m2n send buffers"] = float(max(weights.m2n.send_buffers))
+    plan = Plan(c, shape, dims, trainer, engine_memory(shape, c.rollout, c.cluster.gpu_memory_gb), other,
+                weights=weights, auto_transport=auto)
     if c.teacher.enabled:
         from rlray.models.catalog import architecture
 

@@ -2,9 +2,19 @@
 the HF export needs in host RAM, and what a checkpoint writes. Estimates, printed as such by `dry_run=true`.
 
 Contract: `weights_plan(c, shape)` returns a `WeightsPlan` (None when syncs move no full weights over a network:
-`cluster.colocate`, LoRA; `Unplanned`, one line, when the engines' TP splits a tensor their loaders cannot). `lines()` is what the plan prints, `problems()` a predicted sync past
-`weights.sync_timeout_s` (one line; the run would give up on every sync), `warnings()` an HF export needing more
-than one node's `cluster.host_memory_gb` (one line; the run trains and checkpoints, its last step fails).
+`cluster.colocate`, LoRA; `Unplanned`, one line, when the engines' TP splits a tensor their loaders cannot). `lines()`
+is what the plan prints, `problems()` a predicted sync past `weights.sync_timeout_s` or a sync whose staging does not
+fit beside a GPU engine (one line each; the run would give up on every sync, or its engines run out of memory at the
+first), `warnings()` an HF export needing more than one node's `cluster.host_memory_gb` (one line; the run trains and
+checkpoints, its last step fails).
+- Staging on an engine GPU (`staging`): a worker builds the full-shape tensors of a layer group before its loaders
+  slice them, and vLLM's layerwise reload holds what one layer's loaders were handed until the layer is whole
+  (vllm/model_executor/model_loader/reload/layerwise.py, `info.loaded_weights`), so a worker's peak is its largest
+  layer group full-shape (m2n: the tensors it reads any piece of; broadcast: every tensor) plus its receive buffers
+  (m2n: two per trainer rank, its largest message; broadcast: two buckets). It must fit in what the engine leaves
+  free: the GPU less rollout.kv_cache_fraction of it (or less its weights, rollout.kv_cache_gb and the activation
+  reserve), less `SYNC_RESERVE_GB` for the group's NCCL buffers (assumed). m2n's send buffers (two per worker, its
+  largest message) count in the trainer's memory (`send_buffers`).
 - The wire list is the trainer's (rlray.actors.publisher.WeightPublisher.shard_source) from the config alone: the
   model on the meta device, every parameter and persistent floating buffer under its name, each with its layout as
   FSDP2 and EP leave it (`layouts`: dense Shard(0) over all trainer.num_ranks; routed experts, with trainer.ep > 1,
@@ -31,20 +41,24 @@ than one node's `cluster.host_memory_gb` (one line; the run trains and checkpoin
 
 from __future__ import annotations
 
+import copy
 import itertools
 import math
 import re
 from dataclasses import dataclass
 from typing import Any
 
-from rlray.config import Config, weight_backend
+from rlray.config import Config, backend
+from rlray.config.checks import m2n_refusal
 from rlray.config.families import family, known
 from rlray.models.shape import ModelShape
-from rlray.orchestration.phases import BYTES, GB
-from rlray.weightsync.boxes import Dims, Engines, Layout, Wire, parameters, replicated
-from rlray.weightsync.totals import Holders, Totals, held_bytes, totals
+from rlray.orchestration.memory import engine_weights
+from rlray.orchestration.phases import BYTES, ENGINE_RESERVE_GB, GB
+from rlray.weightsync.boxes import Dims, Engines, Layout, Wire, layer_groups, parameters, replicated
+from rlray.weightsync.totals import Holders, Totals, group_name, held_bytes, totals
 from rlray.weightsync.transport import BUCKET_BYTES
 
+SYNC_RESERVE_GB = 1.0  # an engine GPU's NCCL buffers for the weight group, outside vLLM's budget (assumed)
 FS_BYTES_S = 2e9  # a checkpoint's write rate per trainer rank: a parallel filesystem's ~16 GB/s per node of 8 GPUs
 NCCL_BUCKET_BYTES = 1 << 30  # vLLM's packed NCCL buffer when weights.bucket_mb is unset
 _IN_LAYER = re.compile(r"(?:^|\.)layers\.\d+\.")
@@ -187,12 +201,11 @@ class WeightsPlan:
     links: Links
     root_largest: int = 0  # elements of the largest tensor outside the decoder layers (embedding, head)
     params: int = 0  # trainer parameters and buffers the wire tensors come from (the broadcast's gathers)
+    largest_group: tuple[int, str] = (0, "")  # bytes of the largest layer group, every tensor full-shape; its name
 
     @property
     def buckets(self) -> int:
-        mb = self.c.weights.bucket_mb
-        bucket = mb << 20 if mb else NCCL_BUCKET_BYTES if weight_backend(self.c) == "nccl" else BUCKET_BYTES
-        return math.ceil(self.nbytes / bucket)
+        return math.ceil(self.nbytes / self.bucket_bytes)
 
     def m2n_terms(self) -> tuple[int, int, int]:
         """(messages, bytes, tensors) at the busiest end of an m2n sync."""
@@ -244,7 +257,7 @@ class WeightsPlan:
                  f"(imbalance {imbalance:.2f})"),
                 (f"  lower bound: {secs(self.lower_bound)} (each rank sends its {size(max(self.held))} shard once, each "
                  f"worker receives its {size(max(t.received))} slice, at {self.links.link_bytes_s / GB:g} GB/s)"),
-                f"  time model: {self.links.source} (rlray.orchestration.weights_plan)"]
+                f"  time model: {self.links.source} (rlray.orchestration.weights_plan)", *self._staging_lines()]
 
     def _storage_lines(self) -> list[str]:
         c = self.c
@@ -259,17 +272,98 @@ class WeightsPlan:
                  f"~{secs(per_rank / FS_BYTES_S)} of writing at {FS_BYTES_S / GB:g} GB/s per rank "
                  f"(rlray.orchestration.weights_plan.FS_BYTES_S, assumed){', in the background' if c.checkpoint.async_save else ''}")]
 
+    def staging(self, transport: str) -> tuple[int, int, str]:
+        """(full-shape bytes, receive buffers' bytes, the layer group) at the worker that stages the most."""
+        if transport == "m2n":
+            t = self.m2n
+            worker = max(range(len(t.staged)), key=lambda w: t.staged[w] + t.recv_buffers[w])
+            return t.staged[worker], t.recv_buffers[worker], t.peak_group
+        return self.largest_group[0], 2 * self.bucket_bytes, self.largest_group[1]
+
+    @property
+    def bucket_bytes(self) -> int:
+        mb = self.c.weights.bucket_mb
+        return mb << 20 if mb else NCCL_BUCKET_BYTES if backend(self.c) == "nccl" else BUCKET_BYTES  # a broadcast's
+
+    def engine_free(self) -> float | None:
+        """Bytes an engine GPU leaves free for a sync (see the contract); None for CPU engines."""
+        r, mem = self.c.rollout, self.c.cluster.gpu_memory_gb * GB
+        if not r.gpus_per_actor:
+            return None
+        if r.kv_cache_gb > 0:
+            claimed = engine_weights(self.shape, r) / r.tensor_parallel_size + r.kv_cache_gb * 2**30 + \
+                ENGINE_RESERVE_GB * GB
+        else:
+            claimed = r.kv_cache_fraction * mem
+        return mem - claimed - SYNC_RESERVE_GB * GB
+
+    def _staging_lines(self) -> list[str]:
+        free = self.engine_free()
+        if free is None:
+            return []
+        r = self.c.rollout
+        parts = []
+        for transport in ("m2n", "broadcast"):
+            full, buffers, group = self.staging(transport)
+            parts.append(f"{transport} up to {size(full + buffers)} ({size(full)} of {group}'s full-shape tensors, "
+                         f"{size(buffers)} of buffers)")
+        budget = (f"rollout.kv_cache_gb={r.kv_cache_gb:g}" if r.kv_cache_gb > 0 else
+                  f"1 - rollout.kv_cache_fraction={r.kv_cache_fraction:g} of {self.c.cluster.gpu_memory_gb:g} GB")
+        return [(f"  staging per engine GPU (held by vLLM's layerwise reload until a layer is loaded): {parts[0]}; "
+                 f"{parts[1]}; the engine leaves ~{size(free)} free ({budget}, less {SYNC_RESERVE_GB:g} GB for NCCL)")]
+
+    def _staging_problem(self) -> list[str]:
+        free, transport, r = self.engine_free(), self.c.weights.transport, self.c.rollout
+        if free is None:
+            return []
+        need = sum(self.staging(transport)[:2])
+        if need <= free:
+            return []
+        _, buffers, group = self.staging(transport)
+        fixes = []
+        if transport == "broadcast" and sum(self.staging("m2n")[:2]) <= free:
+            fixes.append("set weights.transport=m2n (each worker stages what it reads)")
+        elif self.shape.experts and not r.expert_parallel and self._fits(transport="m2n", expert_parallel=True):
+            fixes.append(("set " if transport == "m2n" else "set weights.transport=m2n and ")
+                         + "rollout.expert_parallel=true (each worker stages its own experts)")
+        fraction = math.floor(100 * (1 - (need + SYNC_RESERVE_GB * GB) / (self.c.cluster.gpu_memory_gb * GB))) / 100
+        if r.kv_cache_gb <= 0 and fraction > 0:
+            fixes.append(f"lower rollout.kv_cache_fraction to {fraction:g}")
+        return [(f"weights.transport={transport}: a sync stages up to {size(need)} on each engine GPU ({group}'s "
+                 f"full-shape tensors, which vLLM's layerwise reload holds until the layer is loaded, and "
+                 f"{size(buffers)} of receive buffers), more than the ~{size(free)} an engine leaves free; "
+                 + (" or ".join(fixes) if fixes else "raise rollout.tensor_parallel_size"))]
+
+    def auto(self) -> str:
+        """weights.transport=auto's choice: on GPU trainers m2n where the run allows it (checks.m2n_refusal), its
+        forecast beats the broadcast's and its staging fits beside the engines (or the broadcast's does not either);
+        broadcast otherwise, and on CPUs (m2n is a choice there: the CPU pipelines run broadcast by default)."""
+        if not self.c.trainer.gpus_per_rank or m2n_refusal(self.c) is not None:
+            return "broadcast"
+        free = self.engine_free()
+        fits = {t: free is None or sum(self.staging(t)[:2]) <= free for t in ("m2n", "broadcast")}
+        faster = self.seconds("m2n") < self.seconds("broadcast")
+        return "m2n" if fits["m2n"] and (faster or not fits["broadcast"]) else "broadcast"
+
+    def _fits(self, transport: str, expert_parallel: bool) -> bool:
+        """Whether this run's sync staging would fit with `weights.transport` and `rollout.expert_parallel` so."""
+        c = copy.deepcopy(self.c)
+        c.weights.transport, c.rollout.expert_parallel = transport, expert_parallel
+        other = weights_plan(c, self.shape)
+        return isinstance(other, WeightsPlan) and sum(other.staging(transport)[:2]) <= (other.engine_free() or 0)
+
     def problems(self) -> list[str]:
         w = self.c.weights
         seconds = self.seconds(w.transport)
         if seconds <= w.sync_timeout_s:
-            return []
+            return self._staging_problem()
         other = "m2n" if w.transport == "broadcast" else "broadcast"
         faster = f", or weights.transport={other} (~{secs(self.seconds(other))})" \
             if self.seconds(other) <= w.sync_timeout_s else ""
         source = self.links.source.split(":")[0]
         return [(f"weights.sync_timeout_s={w.sync_timeout_s:g} but a {w.transport} sync is predicted to take "
-                 f"~{secs(seconds)} ({source} time model); raise weights.sync_timeout_s{faster}")]
+                 f"~{secs(seconds)} ({source} time model); raise weights.sync_timeout_s{faster}")] + \
+            self._staging_problem()
 
     def warnings(self) -> list[str]:
         node, host = self.export_bytes()[1] / GB, self.c.cluster.host_memory_gb
@@ -292,8 +386,11 @@ def weights_plan(c: Config, shape: ModelShape) -> WeightsPlan | Unplanned | None
     except ValueError as e:
         return Unplanned(c, str(e))
     root = max((math.prod(w.shape) for w in wire if not _IN_LAYER.search(w.name)), default=0)
+    groups = layer_groups(wire)
+    largest = max(((sum(w.nbytes for w in g), -i) for i, g in enumerate(groups)), default=(0, 0))
     return WeightsPlan(c, shape, m2n, held_bytes(wire, layouts, n, held), sum(w.nbytes for w in wire),
-                       GPU if c.trainer.gpus_per_rank else CPU, root, parameters(wire) if n > 1 else 0)
+                       GPU if c.trainer.gpus_per_rank else CPU, root, parameters(wire) if n > 1 else 0,
+                       (largest[0], group_name(groups[-largest[1]])) if groups else (0, ""))
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""rlray's many-to-many engine pair for vLLM's weight-transfer protocol ("m2n_gloo"): every trainer rank sends its
+"""rlray's many-to-many engine pair for vLLM's weight-transfer protocol ("m2n"): every trainer rank sends its
 own slices straight to the workers that read them; nothing is gathered, no worker receives what it does not keep.
 
 Shapes mirror vLLM's `nccl_m2n` engines (one group: trainer ranks [0, T), workers from `rank_offset` = T; the static
@@ -53,7 +53,7 @@ from rlray.weightsync.lora import AdapterUpdates
 from rlray.weightsync.reload import KeepsBareCopies
 from rlray.weightsync.transport import serve_weight_store, to_dtype
 
-BACKEND = "m2n_gloo"
+BACKEND = "m2n"
 POISON = "RLRAY_WEIGHTS_POISON"
 
 
@@ -226,7 +226,7 @@ class M2NWeightEngine(WeightTransferEngine[M2NInitInfo, M2NUpdateInfo]):
 
 
 class M2NWeightTransferEngine(AdapterUpdates, KeepsBareCopies, M2NWeightEngine):
-    """The m2n engine vLLM builds ("m2n_gloo"), with the base-weight fix-ups of rlray's gloo engine."""
+    """The m2n engine vLLM builds ("m2n"), with the base-weight fix-ups of rlray's gloo engine."""
 
 
 # ---- trainer side -----------------------------------------------------------------------

@@ -91,7 +91,7 @@ BACKEND = "gloo"
 NCCL_LORA = "rlray_nccl"  # the workers' end of vLLM's nccl engine, with LoRA adapter updates
 IPC_LORA = "rlray_ipc"  # the workers' end of vLLM's ipc engine (colocated GPUs), with LoRA adapter updates
 SHM = "shm"  # rlray's colocated handover on CPUs (rlray.weightsync.shm)
-M2N = "m2n_gloo"  # every trainer rank sends its own slices to the workers that read them (rlray.weightsync.m2n)
+M2N = "m2n"  # every trainer rank sends its own slices to the workers that read them (rlray.weightsync.m2n)
 
 
 def register() -> None:
@@ -403,7 +403,7 @@ def trainer_init_info(spec: TrainerSpec, rank: int, wire: Iterable[ParamMeta] = 
         size = {"packed_buffer_size_bytes": spec.bucket_bytes} if spec.bucket_bytes else {}
         port = spec.master_port or (pick_port(spec.master_address) if rank == 0 else 0)  # only rank 0 binds it
         return NCCLTrainerInitInfo(spec.master_address, port, spec.world_size, packed=True, rank=rank, **size)
-    raise ValueError(f"the weight path's backend must be gloo, m2n_gloo, nccl, shm or ipc, got {spec.backend!r}")
+    raise ValueError(f"the weight path's backend must be gloo, m2n, nccl, shm or ipc, got {spec.backend!r}")
 
 
 def trainer_engine(spec: TrainerSpec, rank: int, client: VLLMWeightSyncClient,

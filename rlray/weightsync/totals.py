@@ -3,7 +3,11 @@
 Contract: `totals(wires, layouts, trainers, engines, dims)` returns `Totals` equal, field for field, to
 `of_plan(plan(wires, layouts, trainers, engines, dims))`: the bytes each trainer rank sends and each worker receives,
 the messages (one per (trainer rank, worker) link per layer group, `Plan.messages`), the messages each rank sends and
-each worker receives, and the tensors each worker loads (those it receives any piece of). Pure, like boxes.
+each worker receives, the tensors each worker loads (those it receives any piece of), and the memory the m2n engines
+take for it: each worker's staging peak (the full-shape tensors of the layer group where it stages the most: what
+rlray.weightsync.m2n allocates and vLLM's layerwise reload holds until the layer is loaded, `peak_group` naming
+the group of the largest), each worker's receive buffers and each trainer rank's send buffers (two per peer, each
+the largest message between them, 16-byte aligned pieces). Pure, like boxes.
 
 `plan()` enumerates every wire x worker x trainer rank; this does the same box arithmetic once per distinct case:
 - workers: every engine of one TP size reads the same regions per TP rank, so each (TP size, TP rank) is computed
@@ -16,13 +20,27 @@ each worker receives, and the tensors each worker loads (those it receives any p
 
 from __future__ import annotations
 
+import math
 import re
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from rlray.weightsync.boxes import Box, Dims, Engines, Layout, Plan, Wire, layer_groups, whole, worker_boxes
+from rlray.weightsync.boxes import (
+    ALIGN,
+    Box,
+    Dims,
+    Engines,
+    Layout,
+    Plan,
+    Wire,
+    layer_groups,
+    offsets,
+    whole,
+    worker_boxes,
+)
 
 _NUMBER = re.compile(r"(?<=\.)\d+(?=\.)")
+_LAYER_PREFIX = re.compile(r".*?layers\.\d+")
 
 
 @dataclass
@@ -34,6 +52,10 @@ class Totals:
     receives: list[int]  # messages per worker
     tensors: list[int]  # wire tensors per worker (those it receives any piece of: what its loader is called with)
     wires: int = 0  # wire tensors in all
+    staged: list[int] = field(default_factory=list)  # bytes per worker: its largest layer group's full-shape tensors
+    peak_group: str = ""  # the layer group where a worker stages the most (its first tensor's name, to its layer)
+    recv_buffers: list[int] = field(default_factory=list)  # bytes per worker: 2 per trainer rank, its largest message
+    send_buffers: list[int] = field(default_factory=list)  # bytes per trainer rank: 2 per worker, its largest message
 
     def terms(self) -> tuple[int, int, int]:
         """The time model's (messages, bytes, tensors) at the busiest end: the most messages and bytes any trainer
@@ -50,13 +72,33 @@ def of_plan(p: Plan) -> Totals:
     """The totals of a full plan, counted from its pieces."""
     sends, receives = [0] * p.trainers, [0] * p.workers
     loaded: list[set[str]] = [set() for _ in range(p.workers)]
+    staged, peak = [0] * p.workers, (0, 0)
+    largest: dict[tuple[int, int], int] = {}
     for g in range(len(p.pieces)):
+        names: list[set[str]] = [set() for _ in range(p.workers)]
         for (src, dst), pieces in p.links(g).items():
             sends[src] += 1
             receives[dst] += 1
-            loaded[dst].update(piece.name for piece in pieces)
+            names[dst].update(piece.name for piece in pieces)
+            largest[(src, dst)] = max(largest.get((src, dst), 0), offsets(pieces)[1])
+        full = {w.name: w.nbytes for w in p.groups[g]}
+        for dst, here in enumerate(names):
+            loaded[dst] |= here
+            staged[dst] = max(staged[dst], sum(full[n] for n in here))
+            peak = max(peak, (sum(full[n] for n in here), -g))
+    recv, send = [0] * p.workers, [0] * p.trainers
+    for (src, dst), n in largest.items():
+        recv[dst] += 2 * n
+        send[src] += 2 * n
     return Totals(list(p.sent), list(p.received), p.messages, sends, receives, [len(s) for s in loaded],
-                  sum(len(g) for g in p.groups))
+                  sum(len(g) for g in p.groups), staged, group_name(p.groups[-peak[1]]) if p.groups else "", recv, send)
+
+
+def group_name(group: list[Wire]) -> str:
+    """A layer group's name: its first tensor's, to the layer (`model.layers.3`), or the tensor's own."""
+    name = group[0].name
+    match = _LAYER_PREFIX.match(name)
+    return match.group(0) if match else name
 
 
 Link = tuple[int, int, int]  # (trainer rank, TP size, TP rank): one per engine of that TP size
@@ -68,11 +110,11 @@ def totals(wires: list[Wire], layouts: list[Layout], trainers: int, engines: Eng
     """`of_plan(plan(...))` by the cases above; see the module's contract. `held`: a cache of the trainer boxes to
     share with `held_bytes`."""
     sizes = Counter(engines.tp)  # engines per TP size
-    cases, uses, groups = _cases(wires, held or Holders(layouts), sizes, dims, engines.expert_parallel)
+    cases, uses, groups, labels = _cases(wires, held or Holders(layouts), sizes, dims, engines.expert_parallel)
     per_link: Counter[Link] = Counter()  # bytes over all wires
     loads: Counter[tuple[int, int]] = Counter()  # tensors per (TP size, TP rank)
     for key, n in uses.items():
-        for link, nbytes in cases[key].items():
+        for link, (nbytes, _) in cases[key].items():
             per_link[link] += n * nbytes
         for t, r in {(t, r) for _, t, r in cases[key]}:
             loads[(t, r)] += n
@@ -81,25 +123,51 @@ def totals(wires: list[Wire], layouts: list[Layout], trainers: int, engines: Eng
         sent[src] += nbytes * sizes[t]
         received[(t, r)] += nbytes
     receives: Counter[tuple[int, int]] = Counter()
-    messages = 0
-    for keys in groups:  # a message per link per layer group
-        for src, t, r in set().union(*(cases[k].keys() for k in keys)):
+    staged: Counter[tuple[int, int]] = Counter()
+    largest: Counter[Link] = Counter()
+    messages, peak = 0, (0, 0)
+    for g, keys in enumerate(groups):  # a message per link per layer group
+        message: Counter[Link] = Counter()
+        full: Counter[tuple[int, int]] = Counter()
+        for key, n in keys.items():
+            for link, (_, aligned) in cases[key].items():
+                message[link] += n * aligned
+            for t, r in {(t, r) for _, t, r in cases[key]}:
+                full[(t, r)] += n * _full_bytes(key)
+        for link, nbytes in message.items():
+            src, t, _ = link
             sends[src] += sizes[t]
-            receives[(t, r)] += 1
+            receives[link[1:]] += 1
             messages += sizes[t]
+            largest[link] = max(largest[link], nbytes)
+        for worker, nbytes in full.items():
+            staged[worker] = max(staged[worker], nbytes)
+            peak = max(peak, (nbytes, -g))
+    recv, send = Counter[tuple[int, int]](), [0] * trainers
+    for (src, t, r), nbytes in largest.items():
+        recv[(t, r)] += 2 * nbytes
+        send[src] += 2 * nbytes * sizes[t]
     workers = engines.workers()
     return Totals(sent, [received[(t, r)] for r, t in workers], messages, sends, [receives[(t, r)] for r, t in workers],
-                  [loads[(t, r)] for r, t in workers], len(wires))
+                  [loads[(t, r)] for r, t in workers], len(wires), [staged[(t, r)] for r, t in workers],
+                  labels[-peak[1]] if labels else "", [recv[(t, r)] for r, t in workers], send)
+
+
+def _full_bytes(key: Case) -> int:
+    """A case's wire tensor, full-shape (what a worker stages of it): its shape x itemsize, both in the key."""
+    return math.prod(key[1]) * key[2]  # type: ignore[arg-type]
 
 
 def _cases(wires: list[Wire], held: Holders, sizes: Counter[int], dims: Dims, ep: bool
-           ) -> tuple[dict[Case, dict[Link, int]], Counter[Case], list[set[Case]]]:
-    """Each distinct case's bytes per link, how many wires it stands for, and the cases of each layer group."""
-    cases: dict[Case, dict[Link, int]] = {}
+           ) -> tuple[dict[Case, dict[Link, tuple[int, int]]], Counter[Case], list[Counter[Case]], list[str]]:
+    """Each distinct case's bytes per link, how many wires it stands for, the cases of each layer group (how many
+    wires each) and each group's name."""
+    cases: dict[Case, dict[Link, tuple[int, int]]] = {}
     uses: Counter[Case] = Counter()
-    groups: list[set[Case]] = []
+    groups: list[Counter[Case]] = []
+    labels: list[str] = []
     for group in layer_groups(wires):
-        keys = set()
+        keys: Counter[Case] = Counter()
         for wire in group:
             holders = held.holders(wire)
             key = (_NUMBER.sub("0", wire.name), wire.shape, wire.itemsize, wire.layout, wire.param_shape,
@@ -107,20 +175,24 @@ def _cases(wires: list[Wire], held: Holders, sizes: Counter[int], dims: Dims, ep
             if key not in cases:
                 cases[key] = _case(wire, held.sources(wire), sizes, dims, ep)
             uses[key] += 1
-            keys.add(key)
+            keys[key] += 1
         groups.append(keys)
-    return cases, uses, groups
+        labels.append(group_name(group))
+    return cases, uses, groups, labels
 
 
-def _case(wire: Wire, sources: dict[int, Box], sizes: Counter[int], dims: Dims, ep: bool) -> dict[Link, int]:
-    """One wire's traffic: bytes per link it uses."""
-    links: dict[Link, int] = {}
+def _case(wire: Wire, sources: dict[int, Box], sizes: Counter[int], dims: Dims, ep: bool
+          ) -> dict[Link, tuple[int, int]]:
+    """One wire's traffic: (bytes, bytes with each piece aligned as a message packs it) per link it uses."""
+    links: dict[Link, tuple[int, int]] = {}
     for t in sizes:
         for r in range(t):
             for region in worker_boxes(wire, r, t, dims, ep):
                 for src, box in sources.items():
                     if (piece := box & region) is not None:
-                        links[(src, t, r)] = links.get((src, t, r), 0) + piece.numel * wire.itemsize
+                        nbytes, aligned = links.get((src, t, r), (0, 0))
+                        size = piece.numel * wire.itemsize
+                        links[(src, t, r)] = (nbytes + size, aligned + -(-size // ALIGN) * ALIGN)
     return links
 
 

@@ -382,9 +382,9 @@ class TrainerSpec:
     full_every: int = 10
     stride: int = 1  # colocated (shm): engine worker w shares trainer rank w * stride's bundle
     workers: int = 0  # colocated (shm): engine workers in all
-    trainers: int = 1  # m2n_gloo: trainer ranks, every one a sender (weight-group ranks [0, trainers))
-    engine_tp: tuple[int, ...] = ()  # m2n_gloo: each engine's TP size, in weight-group order
-    link: str = "gloo"  # m2n_gloo: the messages' transport, gloo or nccl (rlray.weightsync.links)
+    trainers: int = 1  # m2n: trainer ranks, every one a sender (weight-group ranks [0, trainers))
+    engine_tp: tuple[int, ...] = ()  # m2n: each engine's TP size, in weight-group order
+    link: str = "gloo"  # m2n: the messages' transport, gloo or nccl (rlray.weightsync.links)
 
     def writes(self, rank: int) -> bool:
         """Colocated: whether trainer rank `rank`'s bundle holds an engine worker (rlray.config.colocation)."""

@@ -68,15 +68,23 @@ class Client:
 
 
 class Recorder(torch.nn.Module):
-    """The worker's model: keeps every tensor `load_weights` is handed."""
+    """The worker's model: keeps every tensor `load_weights` is handed, and the bytes of each call (what vLLM's
+    layerwise reload would hold at once)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.loaded: dict[str, torch.Tensor] = {}
+        self.calls: list[int] = []
 
     def load_weights(self, weights: Any) -> None:
+        weights = list(weights)
+        self.calls.append(sum(t.numel() * t.element_size() for _, t in weights))
         for name, tensor in weights:
             self.loaded[name] = tensor
+
+
+def buffer_bytes(engine: Any) -> int:
+    return sum(b.numel() for pair in engine.buffers.values() for b in pair)
 
 
 def trainer(rank: int, out: dict, port: int, paths: dict[str, str], link: str) -> None:
@@ -94,9 +102,10 @@ def trainer(rank: int, out: dict, port: int, paths: dict[str, str], link: str) -
         dims.build_meshes("cpu")
         model = build_model(paths[case], dims, TrainerConfig(num_ranks=TRAINERS, ep=ep), torch.device("cpu"))
         publisher = WeightPublisher(model, torch.device("cpu"), rank, torch.bfloat16)
-        publisher.open(TrainerSpec("m2n_gloo", "127.0.0.1", 0, TRAINERS + sum(TP), None, DEADLINE_S,
+        publisher.open(TrainerSpec("m2n", "127.0.0.1", 0, TRAINERS + sum(TP), None, DEADLINE_S,
                                    trainers=TRAINERS, engine_tp=TP, link=link), Client(out, case) if rank == 0 else None)
         out[(case, "sent", rank)] = publisher.publish(1)["sync_bytes"]
+        out[(case, "send buffers", rank)] = buffer_bytes(publisher.transfer)
         today = {n: t.clone() for n, t in publisher.full_params(torch.bfloat16)}  # what the broadcast sends
         if rank == 0:
             out[(case, "plan")], out[(case, "full")] = publisher.transfer.plan, today
@@ -128,6 +137,7 @@ def worker_process(index: int, out: dict) -> None:
         m2n.init_transfer_engine(M2NInitInfo(**out[(case, "info", engine)]))
         m2n.receive_weights(M2NUpdateInfo(0))
         out[(case, "received", index)] = m2n.received
+        out[(case, "staged", index)], out[(case, "recv buffers", index)] = max(model.calls), buffer_bytes(m2n)
         out[(case, "loaded", index)] = model.loaded
         out[(case, "ungrouped", index)] = getattr(getattr(m2n.links, "comm", None), "ungrouped", 0)
         m2n.shutdown()
@@ -147,6 +157,7 @@ def run(rank: int, world: int, port: int, out: dict, paths: dict[str, str], link
 @pytest.mark.parametrize("link", ["gloo", "nccl"])
 def test_counters_and_staged_slices_equal_the_plan_on_four_ranks(tmp_path, link: str) -> None:
     from rlray.models import tiny
+    from rlray.weightsync.totals import of_plan
 
     paths = {}
     for case, (cfg, _) in CASES.items():
@@ -171,6 +182,10 @@ def test_counters_and_staged_slices_equal_the_plan_on_four_ranks(tmp_path, link:
             (case, tower, tower_whole)
         assert max(sent) <= 1.1 * sum(sent) / TRAINERS, (case, sent)
         assert all(out[(case, "ungrouped", w)] == 0 for w in range(sum(TP))), case  # every message in a group call
+        counted = of_plan(plan)  # the plan's memory: what each end allocated, and the most one load call was handed
+        assert [out[(case, "staged", w)] for w in range(sum(TP))] == counted.staged, (case, counted)
+        assert [out[(case, "recv buffers", w)] for w in range(sum(TP))] == counted.recv_buffers, (case, counted)
+        assert [out[(case, "send buffers", r)] for r in range(TRAINERS)] == counted.send_buffers, (case, counted)
         for pieces in plan.pieces:
             for piece in pieces:
                 staged = out[(case, "loaded", piece.dst)][piece.name]

@@ -73,8 +73,8 @@ def worker(rank: int, world: int, port: int, out: dict, path: str, root: str, li
     if rank == 0:
         os.environ["RLRAY_WEIGHTS_POISON"] = "1"
         loop = LoopThread()
-        engines = [start_engine(loop, path, "float32", 2, backend="m2n_gloo"),
-                   start_engine(loop, export, "float32", 1, backend="m2n_gloo"),
+        engines = [start_engine(loop, path, "float32", 2, backend="m2n"),
+                   start_engine(loop, export, "float32", 1, backend="m2n"),
                    start_engine(loop, path, "float32", 2, backend="gloo")]  # today's broadcast, the same shape
         client, broadcast = EngineClient(loop, engines[:2]), EngineClient(loop, engines[2:])
         out["served"] = np.array(loop.run(engines[1].score(TOKENS, 1)))  # the export as vLLM serves it
@@ -85,7 +85,7 @@ def worker(rank: int, world: int, port: int, out: dict, path: str, root: str, li
     publisher = WeightPublisher(model, torch.device("cpu"), rank, torch.float32)
     today = WeightPublisher(model, torch.device("cpu"), rank, torch.float32)
     try:
-        publisher.open(TrainerSpec("m2n_gloo", "127.0.0.1", 0, world + 3, None, 120.0, trainers=world,
+        publisher.open(TrainerSpec("m2n", "127.0.0.1", 0, world + 3, None, 120.0, trainers=world,
                                    engine_tp=(2, 1), link=link), client)
         today.open(TrainerSpec("gloo", "127.0.0.1", 0, 1 + 2, None, 120.0), broadcast)
         stats = publisher.publish(1)

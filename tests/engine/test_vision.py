@@ -357,7 +357,7 @@ def trainer_round_trip(loop_thread: LoopThread, engine: Engine, model: ModelConf
     try:
         actor.set_stage(lr=3e-2, warmup_steps=0)
         spec = TrainerSpec("gloo", "127.0.0.1", 0, 1 + engine.workers(), BUCKET_BYTES, 60.0) if tp == 1 else \
-            TrainerSpec("m2n_gloo", "127.0.0.1", 0, 1 + engine.workers(), None, 60.0, engine_tp=(tp,))  # port 0: bound as chosen
+            TrainerSpec("m2n", "127.0.0.1", 0, 1 + engine.workers(), None, 60.0, engine_tp=(tp,))  # port 0: bound as chosen
         actor.init_weight_group(spec, EngineClient(loop_thread, [engine], timeout_s=60.0))
 
         def gap() -> float:
@@ -421,7 +421,7 @@ def test_moe_families_served_routed_and_synced(loop_thread: LoopThread, arch: st
         monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", cpu_binding(tp))
         monkeypatch.setenv(POISON, "1")
     eng = loop_thread.run(Engine.create(path, max_model_len=512, seed=0, engine_kwargs=kwargs, capture_routing=True,
-                                        weights_backend="m2n_gloo" if tp > 1 else "gloo"), timeout=300)
+                                        weights_backend="m2n" if tp > 1 else "gloo"), timeout=300)
     try:
         assert eng.image_pad == hf.model.config.image_token_id and prompt.ids.count(eng.image_pad) > 1
         (sample,) = loop_thread.run(eng.generate(prompt.ids, n=1, temperature=1.0, max_tokens=8, seed=1,

@@ -45,7 +45,7 @@ BAD = [
     (["weights.delta=true", "trainer.gpus_per_rank=1", "rollout.gpus_per_actor=1"],
      "weights.delta=true runs on the gloo weight path"),
     (["trainer.ep=3"], "trainer.ep=3"),
-    (["weights.transport=p2p"], "weights.transport='p2p': choose broadcast or m2n"),
+    (["weights.transport=p2p"], "weights.transport='p2p': choose auto, broadcast or m2n"),
     (["weights.transport=m2n", "weights.delta=true"], "weights.delta=true with weights.transport=m2n"),
     (["weights.transport=m2n", "trainer.lora.rank=4"], "weights.transport=m2n with trainer.lora.rank > 0"),
     (["weights.transport=m2n", "cluster.colocate=true"], "weights.transport=m2n with cluster.colocate=true"),

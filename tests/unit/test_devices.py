@@ -196,5 +196,5 @@ def test_bucket_size_per_backend() -> None:
     assert info("nccl", None).packed_buffer_size_bytes == DEFAULT_PACKED_BUFFER_SIZE_BYTES == 1 << 30
     assert info("gloo", 4 << 20).bucket_bytes == 4 << 20
     assert info("nccl", 256 << 20).packed_buffer_size_bytes == 256 << 20
-    with pytest.raises(ValueError, match="the weight path's backend must be gloo, m2n_gloo, nccl, shm or ipc"):
+    with pytest.raises(ValueError, match="the weight path's backend must be gloo, m2n, nccl, shm or ipc"):
         info("mpi", None)

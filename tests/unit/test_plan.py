@@ -8,6 +8,7 @@ from rlray.config import Config, ConfigError, validate
 from rlray.models.catalog import CATALOG, architecture
 from rlray.models.shape import model_shape
 from rlray.orchestration.plan import GB, make_plan
+from rlray.orchestration.weights_plan import size
 from tests.unit.test_config import launch
 
 
@@ -18,8 +19,7 @@ def test_dry_run_of_the_full_glm_recipe_prints_the_plan_and_starts_nothing() -> 
     for needle in ("zai-org/GLM-4.5-Air (Glm4MoeForCausalLM): 106.85B parameters", "rlray-trainer: 24 bundles",
                    "rlray-rollout: 4 bundles x {CPU: 16, GPU: 4}", "dp_shard=24, ep=8, efsdp=3",
                    "ranks 0, 8, 16: experts 0-15", "ranks 7, 15, 23: experts 112-127", "weight group of 1 + 16 workers", "memory per trainer GPU of 141 GB",
-                   "weight sync forecast (estimates; weights.transport=broadcast is this run's)", "  m2n: the busiest",
-                   "  lower bound:", "HF export (checkpoint.export_hf=true, streamed", "checkpoint (DCP):", "plan fits"):
+                   "(weights.transport=auto chose m2n)", "weight sync forecast (estimates; weights.transport=m2n is this run's)", "  m2n: the busiest", "  lower bound:", "  staging per engine GPU", "m2n send buffers", "HF export (checkpoint.export_hf=true, streamed", "checkpoint (DCP):", "plan fits"):
         assert needle in out, (needle, out)
     assert "controller reached" not in result.stderr
     # weights and AdamW's moments of 106.85B parameters over 24 ranks, copied for the background write
@@ -243,7 +243,7 @@ def test_the_glm4_5_recipe_fits_h200_nodes_and_forecasts_its_weight_path() -> No
     assert len(t.sent) == 64 and len(t.received) == 8 * 8 and t.wires == 1647
     assert min(t.received) >= plan.weights.nbytes / 8  # a TP 8 worker reads at least its eighth
     text = plan.render()
-    for needle in ("weight sync forecast (estimates; weights.transport=broadcast is this run's)",
+    for needle in ("weight sync forecast (estimates; weights.transport=m2n is this run's)",
                    "one sync: 705.60 GB in 1,647 tensors, 64 trainer ranks -> 64 workers (8 TP groups of 8)",
                    "broadcast: every trainer rank gathers 1,647 parameters, rank 0 sends 705.60 GB in 658 buckets",
                    "m2n: the busiest trainer rank",
@@ -264,7 +264,8 @@ def test_the_glm4_5_recipe_fits_h200_nodes_and_forecasts_its_weight_path() -> No
 
 
 def test_a_sync_past_its_timeout_and_an_export_past_host_ram_say_so_in_one_line() -> None:
-    slow = make_plan(composed("+recipe=glm4_5", "weights.sync_timeout_s=10", "cluster.host_memory_gb=100"))
+    slow = make_plan(composed("+recipe=glm4_5", "weights.transport=broadcast", "weights.sync_timeout_s=10",
+                              "cluster.host_memory_gb=100"))
     # m2n runs on GPUs too (over NCCL): the plan names it where it would fit the timeout
     assert slow.problems() == [("weights.sync_timeout_s=10 but a broadcast sync is predicted to take ~23.65 s (GPU time "
                                 "model); raise weights.sync_timeout_s, or weights.transport=m2n (~2.65 s)")]
@@ -276,6 +277,41 @@ def test_a_sync_past_its_timeout_and_an_export_past_host_ram_say_so_in_one_line(
     (problem,) = cpu.problems()
     assert problem.startswith("weights.sync_timeout_s=1e-06 but a broadcast sync is predicted to take") and \
         "(CPU time model); raise weights.sync_timeout_s" in problem, problem
+
+
+def test_a_gpu_run_syncs_by_m2n_where_it_is_faster_and_its_staging_fits() -> None:
+    """weights.transport=auto: GLM-4.5 and DeepSeek-V3 sync by m2n, each worker's staging (its largest layer group's
+    full-shape tensors, which vLLM's layerwise reload holds, and its receive buffers) printed beside what the engine
+    leaves free, and the trainer's send buffers in its memory. DeepSeek-V3's engines without expert parallelism would
+    stage every one of a MoE layer's 256 experts whole on each worker (256 x 3 x 7168 x 2048 x 2 B = 22.5 GB), more
+    than the 0.15 x 141 - 1 = 20.15 GB left: refused in one line naming the layer and the fixes; the broadcast, which
+    stages every tensor on every worker, too."""
+    glm = make_plan(composed("+recipe=glm4_5"))
+    assert glm.c.weights.transport == "m2n" and glm.auto_transport and glm.problems() == []
+    assert glm.trainer["m2n send buffers"] == max(glm.weights.m2n.send_buffers) > 0
+    assert "(weights.transport=auto chose m2n)" in glm.render()
+    cpu = make_plan(composed())  # CPUs keep the broadcast unless m2n is asked for
+    assert cpu.c.weights.transport == "broadcast" and "m2n send buffers" not in cpu.trainer
+
+    ds = make_plan(composed("+recipe=deepseek_v3"))
+    assert ds.c.weights.transport == "m2n" and ds.problems() == []
+    full, buffers, group = ds.weights.staging("m2n")
+    one_expert = 3 * 7168 * 2048 * 2
+    assert 32 * one_expert < full < 32 * one_expert + 2e9 and group == "model.layers.3", (full, group)
+    assert f"m2n up to {size(full + buffers)} ({size(full)} of model.layers.3's full-shape tensors" in ds.render()
+    assert "the engine leaves ~20.15 GB free (1 - rollout.kv_cache_fraction=0.85 of 141 GB, less 1 GB for NCCL)" \
+        in ds.render()
+    whole = make_plan(composed("+recipe=deepseek_v3", "rollout.expert_parallel=false", "weights.transport=m2n"))
+    assert whole.weights.staging("m2n")[0] > 256 * one_expert
+    (problem,) = whole.problems()
+    assert problem.startswith("weights.transport=m2n: a sync stages up to ") and "model.layers.3's full-shape " \
+        "tensors, which vLLM's layerwise reload holds until the layer is loaded" in problem and problem.endswith(
+        "more than the ~20.15 GB an engine leaves free; set rollout.expert_parallel=true (each worker stages its own "
+        "experts) or lower rollout.kv_cache_fraction to 0.78"), problem
+    auto = make_plan(composed("+recipe=deepseek_v3", "rollout.expert_parallel=false"))  # neither fits: broadcast
+    (problem,) = auto.problems()
+    assert problem.startswith("weights.transport=broadcast: a sync stages up to 25.16 GB") and \
+        "set weights.transport=m2n and rollout.expert_parallel=true" in problem, problem
 
 
 @pytest.mark.parametrize("recipe", ["deepseek_v3", "kimi_k2"])
