@@ -20,7 +20,8 @@ weights built from a config (gpu-step's models) it checks, one table row each:
 and once: two trainer ranks on one GPU are refused with one line, by the config check and by
 the trainer itself (two processes); another process reads a CUDA tensor through an IPC handle
 (the mechanism of vLLM's ipc engine, the colocated handover), and the arguments of such a handle hold the type
-objects for which vLLM's RPC needs VLLM_ALLOW_INSECURE_SERIALIZATION=1. Exit 0 when every check passed, 1 otherwise; on a machine
+objects for which vLLM's RPC needs VLLM_ALLOW_INSECURE_SERIALIZATION=1; the m2n group's NCCL transport on one
+rank (rlray.bench.gpu_links: a grouped self-exchange, the deadline and abort; where vLLM is installed). Exit 0 when every check passed, 1 otherwise; on a machine
 without CUDA, exit 1 with one line. `--cpu` runs the same checks on the CPU with tiny models
 (gloo, fp32), the CUDA-only ones reported as skipped: how CI tests this script.
 """
@@ -42,6 +43,7 @@ import numpy as np
 
 from rlray.algo.loss import algo_config
 from rlray.bench.common import Column, Report, free_port
+from rlray.bench.gpu_links import nccl_rows
 from rlray.bench.gpu_step import (
     ARCHS,
     DEFAULTS,
@@ -301,7 +303,7 @@ def run(args: argparse.Namespace) -> Report:
         report.ratios[f"{arch.name} TFLOP/s / measured matmul"] = train["tflops"] / mm
         if peak:
             report.ratios[f"{arch.name} MFU (spec peak {peak:g} TFLOP/s)"] = train["tflops"] / peak
-    report.rows += [*check_shared_gpu(device), check_cuda_ipc(device), check_ipc_payload(device)]
+    report.rows += [*check_shared_gpu(device), check_cuda_ipc(device), check_ipc_payload(device), *nccl_rows(device)]
     report.failed = [f"{r['check']} ({r['model']})" for r in report.rows if r["result"] == "FAIL"]
     report.notes = [f"measured matmul ({mm_what}): {mm:.3g} TFLOP/s on {device}",
                     f"{sum(r['result'] == 'ok' for r in report.rows)} ok, {len(report.failed)} failed, "

@@ -24,8 +24,8 @@ import importlib
 import os
 import socket
 import time
-from collections.abc import Callable
-from contextlib import AbstractContextManager
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, Protocol
 
@@ -108,9 +108,13 @@ class CudaEvents:
         self.device = device
         self.stream = torch.cuda.Stream(device)
 
-    def side(self) -> AbstractContextManager[Any]:
+    @contextmanager
+    def side(self) -> Iterator[Any]:
+        """The side stream, current inside, after the current stream's work (the packed buffers); yields it for the
+        communicator's calls (vLLM's take a stream, else its own cached current one)."""
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
-        return torch.cuda.stream(self.stream)
+        with torch.cuda.stream(self.stream):
+            yield self.stream
 
     def record(self) -> Any:
         event = torch.cuda.Event()

@@ -1,0 +1,77 @@
+"""gpu-smoke's rows for the m2n group's NCCL transport (rlray.weightsync.links.NcclLinks) on one CUDA GPU.
+
+One GPU holds one NCCL rank (NCCL refuses two ranks of one communicator on one GPU), so the communicator here is
+vLLM's `PyNcclCommunicator` made for a world of one, which vLLM itself turns into a silent no-op (`disabled`): the
+rows build it past that (`one_rank`: the library loaded, a unique id, `_init_comm`), the only vLLM internals touched.
+- self-exchange: one `exchange` of two sliced uint8 messages sent to this rank and two received from it, one NCCL
+  group call on the side stream, its event polled; the received slices equal the sent ones;
+- deadline and abort: a receive with no send; `wait` raises `LinkTimeout` at the deadline (2 s here), having
+  aborted the communicator (`ncclCommAbort` on vLLM's daemon thread), and the end refuses another exchange.
+Skipped without CUDA or without vLLM (the device image has none; `pip install vllm==0.32.0` where a GPU has it).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+DEADLINE_S = 2.0
+
+
+def row(check: str, ok: bool | None, value: str, detail: str = "") -> dict[str, Any]:
+    return {"check": check, "model": "-", "result": {True: "ok", False: "FAIL", None: "skipped"}[ok],
+            "value": value, "detail": detail}
+
+
+def one_rank(device: Any) -> Any:
+    """vLLM's communicator for a world of one, initialized as its __init__ does for more ranks."""
+    from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
+    from vllm.distributed.device_communicators.pynccl_wrapper import NCCLLibrary
+
+    comm = PyNcclCommunicator.__new__(PyNcclCommunicator)
+    comm.rank, comm.world_size, comm.group = 0, 1, None
+    comm.nccl = NCCLLibrary(None)
+    comm.available, comm.disabled, comm._suspended = True, False, False
+    comm.nccl_version = comm.nccl.ncclGetRawVersion()
+    comm.unique_id = comm.nccl.ncclGetUniqueId()
+    comm._init_comm(device)
+    return comm
+
+
+def nccl_rows(device: str) -> list[dict[str, Any]]:
+    names = ("m2n NCCL self-exchange", "m2n NCCL deadline and abort")
+    if device != "cuda":
+        return [row(n, None, "-", "CUDA and NCCL only") for n in names]
+    try:
+        import vllm.distributed.device_communicators.pynccl  # noqa: F401
+    except ImportError:
+        return [row(n, None, "-", "needs vLLM (pip install vllm==0.32.0)") for n in names]
+    import torch
+
+    from rlray.weightsync.links import CudaEvents, LinkTimeout, NcclLinks
+
+    gpu = torch.device("cuda", torch.cuda.current_device())
+    links = NcclLinks(one_rank(gpu), CudaEvents(gpu), gpu, 30.0)
+    sent = torch.arange(256, dtype=torch.uint8, device=gpu)
+    got = torch.zeros(512, dtype=torch.uint8, device=gpu)
+    t0 = time.perf_counter()
+    links.exchange([(sent[:100], 0), (sent[100:], 0)], [(got[:100], 0), (got[200:356], 0)]).wait()
+    ok = torch.equal(got[:100], sent[:100]) and torch.equal(got[200:356], sent[100:]) and not got[100:200].any()
+    rows = [row(names[0], ok, f"{(time.perf_counter() - t0) * 1e3:.1f} ms", "2 sliced messages each way, one group")]
+    links.close()
+
+    late = NcclLinks(one_rank(gpu), CudaEvents(gpu), gpu, DEADLINE_S)
+    batch, t0 = late.exchange([], [(got[:8], 0)]), time.perf_counter()
+    try:
+        batch.wait()
+        rows.append(row(names[1], False, "-", "a receive with no send completed"))
+    except LinkTimeout:
+        seconds = time.perf_counter() - t0
+        try:
+            late.exchange([], [(got[:8], 0)])
+            refused = False
+        except RuntimeError:
+            refused = True
+        rows.append(row(names[1], DEADLINE_S <= seconds < DEADLINE_S + 5 and refused, f"{seconds:.1f} s",
+                        f"deadline {DEADLINE_S:g} s; aborted, then refused"))
+    return rows
