@@ -12,8 +12,11 @@ own gathered pass, in the wire dtype); a TP 2 worker receives at most 0.55x of t
 it, as it is a fraction of a real one's: Qwen3-VL-30B-A3B's TP 2 worker gets 0.5003x, tests/unit/test_weights_plan.py),
 and of the vision tower but that Conv3d at most 0.55x too (split by TP as vLLM's Qwen3-VL loaders read it;
 tests/engine/test_vision.py serves it at TP 2 after an m2n sync); the busiest trainer rank sends at most 1.1x the
-mean. Over both transports of the m2n group: gloo, and NCCL's code on tests/fake_nccl.py's communicator (NCCL's
-rules, gloo underneath), whose workers issue every message inside a group call."""
+mean. The memory the plan counts (rlray.weightsync.totals.of_plan) is what the engines took: each worker's staging peak
+(the most bytes one load_weights call was handed: a layer group's full-shape tensors, which vLLM's layerwise reload
+holds until the layer is loaded), its receive buffers and each trainer rank's send buffers. Over both transports of
+the m2n group: gloo, and NCCL's code on tests/fake_nccl.py's communicator (NCCL's rules, gloo underneath), whose
+workers issue every message inside a group call."""
 
 from __future__ import annotations
 
