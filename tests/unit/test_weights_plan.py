@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from rlray.config import Config, ModelConfig
-from rlray.orchestration.weights_plan import Costs, Links, WeightsPlan, fit, weights_plan, wires
+from rlray.orchestration.sync_costs import Costs, Links, fit
+from rlray.orchestration.weights_plan import WeightsPlan, weights_plan, wires
 from rlray.weightsync.boxes import Dims, Engines, Layout, Wire, plan, replicated
 from rlray.weightsync.totals import held_bytes, of_plan, totals
 
