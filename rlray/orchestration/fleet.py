@@ -221,6 +221,8 @@ class RolloutFleet:
         self._gone(lost)  # asked before the kill, which would make every one of them look dead on a live node
         for i in lost:
             ray.kill(self.h.rollouts[i], no_restart=True)  # gloo: rank 0's broadcast to it fails instead of waiting
+        if weight_backend(self.c) == "m2n":  # over NCCL a send to the dead never fails: abort the ends, waits end now
+            ray.get(self._close_trainers(), timeout=w.sync_timeout_s)
         ray.wait(sends, num_returns=len(sends), timeout=w.group_timeout_s)
         ray.get(self._close_trainers(), timeout=w.sync_timeout_s)
         found, stats = self._lost_in_sync(version, w.group_timeout_s)

@@ -6,7 +6,8 @@ Contract:
   raises `LinkTimeout` `timeout_s` after the post, having closed this end (so peers blocked on it fail too).
 - Messages between two ranks match in the order they were posted: NCCL has no tag, so neither does this contract.
   Within one exchange the order of peers does not matter (a batch cannot deadlock on a cycle of ranks).
-- `close()` aborts this end: it never waits for a peer (the peer may be dead); it may be called twice.
+- `close()` aborts this end: it never waits for a peer (the peer may be dead); it may be called twice, and from
+  another thread, where a `wait` in flight then raises at once.
 - `device` is where this end's buffers live: the CPU for gloo, the rank's CUDA device for NCCL.
 - `GlooLinks` (CPU): `ProcessGroupGloo.send/recv`, each wait bounded by what is left of the batch's time.
   `NcclLinks`: a communicator with vLLM's `PyNcclCommunicator` surface (`send(t, peer, stream)`, `recv`, `group_start`, `group_end`, `destroy`); each
@@ -136,6 +137,8 @@ class _NcclBatch:
     def wait(self) -> None:
         events = self.links.events
         while not events.done(self.event):
+            if self.links.closed:  # aborted from another thread (the fleet breaking the sync off): NCCL says nothing
+                raise RuntimeError("this end of the m2n group was closed with messages in flight")
             if time.monotonic() > self.deadline:
                 self.links.close()
                 raise LinkTimeout(_late(self.peers, self.links.timeout_s))
