@@ -203,8 +203,9 @@ class RolloutFleet:
         On nccl the run stops: vLLM's NCCL communicator has no timeout, so a broadcast hung on trainer rank
         0's GPU cannot be abandoned inside that process. On gloo the lost engines are killed (which fails
         rank 0's broadcast to them), the trainers' sends end within the group timeout, the group is closed
-        and every engine whose load broke off with it is replaced too. m2n over NCCL is abandoned as gloo is: each
-        batch's wait aborts its communicator at the group timeout (rlray.weightsync.links)."""
+        and every engine whose load broke off with it is replaced too. m2n (gloo or NCCL) closes the trainers' ends first:
+        NCCL fails no send to a dead engine, and a batch's wait on a closed end raises at once (rlray.weightsync.links);
+        a silent engine is found by the batch's own deadline, weights.group_timeout_s."""
         w = self.c.weights
         # A trainer's own death; not a task error whose cause is an engine's death (Ray makes those both)
         trainer_died = next((e for e in failed if isinstance(e, RayActorError) and not isinstance(e, RayTaskError)),
