@@ -7,8 +7,10 @@ naming the part, the shortfall and a fix, and `gpus`/`cpus` are what the run ask
 cluster (`rlray.config.resources.needs`). The memory figures are estimates, stated as such: a trainer rank's and an
 engine GPU's are rlray.orchestration.memory's formulas. The weight path's forecast (`weights`,
 rlray.orchestration.weights_plan: a sync by broadcast and by m2n, its lower bound, the HF export's host RAM, the
-checkpoint per rank) prints with the plan; a sync predicted past weights.sync_timeout_s is a problem, an export past
-cluster.host_memory_gb one of `warnings()`.
+checkpoint per rank, the staging per engine GPU) prints with the plan; a sync predicted past weights.sync_timeout_s or
+staging more than an engine GPU leaves free is a problem, an export past cluster.host_memory_gb one of `warnings()`.
+`make_plan` settles weights.transport=auto in the config it is given (WeightsPlan.auto: m2n or broadcast), once, and
+counts m2n's send buffers in the trainer's memory.
 Colocated (`cluster.colocate`), per device: the train, handover and generate phases of the turns and
 both at once (rlray.orchestration.phases, with the ipc handover's buffer on GPUs). The run takes turns
 (async.max_off_policy_steps=0) unless both fit at once.
