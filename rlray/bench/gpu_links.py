@@ -22,8 +22,10 @@ DEADLINE_S = 2.0
 
 
 def row(check: str, ok: bool | None, value: str, detail: str = "") -> dict[str, Any]:
-    return {"check": check, "model": "-", "result": {True: "ok", False: "FAIL", None: "skipped"}[ok],
-            "value": value, "detail": detail}
+    """gpu-smoke's row of a check that belongs to no model."""
+    from rlray.bench.gpu_smoke import row as smoke_row  # imported at call time: gpu_smoke imports this module
+
+    return smoke_row(check, "-", ok, value, detail)
 
 
 def one_rank(device: Any) -> Any:
